@@ -1,0 +1,9 @@
+"""course_lib: the components of "Distributed Training from Scratch".
+
+Client side: `course_lib.cluster` starts a local (or remote) cluster of ipyparallel engines.
+Engine side: `course_lib.dist` is the from-scratch process group; the training components
+(`data`, `ddp`, `tensor_parallel`, `pipeline`) take any `dist`-like object, so they run on
+`torch.distributed` unchanged.
+"""
+
+__version__ = "0.1.0"
