@@ -1,0 +1,55 @@
+"""Helpers every benchmark shares: statistics, the run's metadata, JSON rows, a text table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Iterable, Sequence
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of the repeats: robust to the odd slow run on a shared 2-core machine."""
+    return statistics.median(list(values))
+
+
+def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
+    """Per repeat, the slowest rank's time: one operation lasts until its last rank finishes."""
+    return [max(times) for times in zip(*per_rank_seconds)]
+
+
+def metadata() -> dict[str, Any]:
+    """What a reader needs to judge the figures: machine, versions, date."""
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def write_json(path: str, name: str, rows: list[dict], args: dict[str, Any]) -> None:
+    """Write {"benchmark", "args", "meta", "rows"} so a run can be re-plotted or compared later."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "args": args, "meta": metadata(), "rows": rows}, f,
+                  indent=1, default=str)
+
+
+def format_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
+    """A plain-text table of the rows (floats to 4 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    table = [columns] + [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
