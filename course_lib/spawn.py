@@ -39,7 +39,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_backend(backend: str, rank: int, world_size: int, *, timeout: float,
-                 gloo_port: int | None = None, addresses: list | None = None,
+                 gloo_port: int | None = None, master_addr: str = "127.0.0.1",
+                 addresses: list | None = None,
                  secret: bytes | None = None) -> None:
     """Initialize `backend` in this process (shared by `spawn` and `course_lib.cluster`)."""
     import torch
@@ -48,7 +49,7 @@ def init_backend(backend: str, rank: int, world_size: int, *, timeout: float,
     if backend == "gloo":
         import torch.distributed as tdist
 
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}",
+        tdist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{gloo_port}",
                                  rank=rank, world_size=world_size,
                                  timeout=timedelta(seconds=timeout))
     elif backend == "scratch":
