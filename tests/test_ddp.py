@@ -1,0 +1,215 @@
+"""DDP parity: our DistributedDataParallel vs one process on the whole batch and vs torch DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib.spawn import SpawnError, spawn
+
+IN, HIDDEN, OUT = 8, 16, 3
+STEPS = 20
+
+
+def make_model(kind: str, seed: int) -> nn.Module:
+    """A small float64 model; float64 makes the only difference the order of float additions."""
+    torch.manual_seed(seed)
+    if kind == "bn":
+        model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(),
+                              nn.Linear(HIDDEN, OUT))
+    else:
+        model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+                              nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    if kind == "frozen":
+        model[0].weight.requires_grad_(False)
+    return model.double()
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: the same on every rank and in the reference."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(size, IN, generator=g, dtype=torch.float64)
+    y = torch.randn(size, OUT, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, b: int,
+          micro: int = 1, steps: int = STEPS, after_backward=None) -> None:
+    """`steps` steps; rank `rank` takes its slice of each global batch of world*micro*b samples,
+    in `micro` micro-batches (loss scaled by 1/micro, gradient sync only on the last one)."""
+    for step in range(steps):
+        x, y = batch(step, world * micro * b)
+        xs, ys = x[rank::world], y[rank::world]  # strided shard, as DistributedSampler does
+        for m in range(micro):
+            sl = slice(m * b, (m + 1) * b)
+            last = m == micro - 1
+            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else _null()
+            with ctx:
+                loss = nn.functional.mse_loss(model(xs[sl]), ys[sl]) / micro
+                loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def flat_state(model: nn.Module) -> torch.Tensor:
+    """Parameters and floating buffers of `model` as one vector."""
+    tensors = [p.detach().reshape(-1) for p in model.parameters()]
+    tensors += [b.reshape(-1).double() for b in model.buffers()]
+    return torch.cat(tensors)
+
+
+def reference(kind: str, opt_kind: str, world: int, b: int, micro: int = 1) -> torch.Tensor:
+    """One process trained on the whole global batch of world*micro*b samples."""
+    model = make_model(kind, seed=0)
+    opt = make_optimizer(opt_kind, model)
+    train(model, opt, rank=0, world=1, b=world * micro * b)
+    return flat_state(model)
+
+
+# Float64 leaves only the order of additions: a 4-rank gloo ring sums in an order that depends
+# on the message size, so differently bucketed runs round differently (~1e-16 per step), and
+# Adam's normalization amplifies that to ~1e-10 after 20 steps. 1e-7 relative still misses
+# nothing real: a sum instead of a mean or a lost bucket is off by order 1.
+TOL = dict(rtol=1e-7, atol=1e-9)
+B = 4
+CASES = [("mlp", "sgd"), ("mlp", "adam"), ("frozen", "sgd"), ("bn", "sgd"), ("bn", "adam")]
+
+
+class Branchy(nn.Module):
+    """Uses `extra` only when told to: a parameter with no gradient on some ranks."""
+
+    def __init__(self, use_extra: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra = nn.Linear(IN, OUT), nn.Linear(OUT, OUT)
+        self.unused = nn.Linear(OUT, OUT)  # never used anywhere
+        self.use_extra = use_extra
+        self.double()
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.extra(y) if self.use_extra else y
+
+
+def ddp_worker(rank: int, world: int, with_torch: bool) -> dict:
+    """Everything that needs a process group, batched into one spawn."""
+    from course_lib import ddp as ours
+
+    out = {}
+    for kind, opt_kind in CASES:
+        # Ranks start from different weights: construction must broadcast rank 0's.
+        model = make_model(kind, seed=rank)
+        wrapped = ours.DistributedDataParallel(model, bucket_cap_mb=0.002,
+                                               first_bucket_cap_mb=0.0005)
+        out["buckets", kind] = len(wrapped.buckets)
+        train(wrapped, make_optimizer(opt_kind, wrapped), rank, world, B)
+        out["ours", kind, opt_kind] = flat_state(model)
+        if with_torch:
+            tmodel = make_model(kind, seed=rank)
+            tddp = nn.parallel.DistributedDataParallel(tmodel, bucket_cap_mb=0.002)
+            train(tddp, make_optimizer(opt_kind, tddp), rank, world, B)
+            out["torch", kind, opt_kind] = flat_state(tmodel)
+    # The lesson's steps without overlap: per-parameter, one flat buffer, buckets.
+    for name in ("per_param", "flat", "bucketed"):
+        model = make_model("mlp", seed=rank)
+        ours.broadcast_coalesced(list(model.parameters()), 0, dist=ours.default_dist())
+        params = list(model.parameters())
+        sync = {"per_param": lambda: ours.allreduce_grads_per_param(params),
+                "flat": lambda: ours.allreduce_grads_flat(params),
+                "bucketed": lambda: ours.allreduce_grads_bucketed(params, 0.001)}[name]
+        train(model, make_optimizer("sgd", model), rank, world, B, after_backward=sync)
+        out["step", name] = flat_state(model)
+    # Default bucket size: one bucket holds the whole model.
+    model = make_model("mlp", seed=rank)
+    wrapped = ours.DistributedDataParallel(model)
+    out["buckets", "default"] = len(wrapped.buckets)
+    train(wrapped, make_optimizer("sgd", wrapped), rank, world, B)
+    out["ours", "mlp", "default"] = flat_state(model)
+    # A parameter unused on some ranks (and one unused everywhere): handled like torch's
+    # find_unused_parameters=True; without the flag, a clear error instead of a hang.
+    if with_torch:
+        for impl in ("ours", "torch"):
+            model = Branchy(use_extra=rank % 2 == 0)
+            wrapped = (ours.DistributedDataParallel(model, find_unused_parameters=True)
+                       if impl == "ours" else
+                       nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+            train(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), rank, world, B,
+                  steps=3)
+            out[impl, "branchy"] = (flat_state(model), model.unused.weight.grad is None)
+    model = Branchy(use_extra=True)
+    wrapped = ours.DistributedDataParallel(model)
+    try:
+        wrapped(torch.ones(2, IN, dtype=torch.float64)).sum().backward()
+        out["unused_error"] = None
+    except RuntimeError as exc:
+        out["unused_error"] = str(exc)
+    return portable(out)
+
+
+def portable(out: dict) -> dict:
+    """Tensors as numpy arrays: torch tensors sent through a multiprocessing queue are shared
+    by file descriptor and vanish when the sending rank exits."""
+    def conv(v):
+        if isinstance(v, torch.Tensor):
+            return v.numpy()
+        if isinstance(v, tuple):
+            return tuple(conv(x) for x in v)
+        return v
+    return {k: conv(v) for k, v in out.items()}
+
+
+def as_tensor(v) -> torch.Tensor:
+    return torch.as_tensor(v)
+
+
+def check_parity(results: list[dict], world: int, with_torch: bool) -> None:
+    for kind, opt_kind in CASES:
+        ref = reference(kind, opt_kind, world, B)
+        for rank, res in enumerate(results):
+            ours = as_tensor(res["ours", kind, opt_kind])
+            if with_torch:
+                torch.testing.assert_close(ours, as_tensor(res["torch", kind, opt_kind]), **TOL,
+                                           msg=lambda m: f"{kind}/{opt_kind} rank {rank} vs torch DDP: {m}")
+            if kind != "bn":
+                # BatchNorm under DDP normalizes with per-rank batch statistics, so it is not
+                # the single-process model on the full batch; torch DDP is its reference.
+                torch.testing.assert_close(ours, ref, **TOL,
+                                           msg=lambda m: f"{kind}/{opt_kind} rank {rank} vs one process: {m}")
+        assert results[0]["buckets", kind] > 1  # the small cap really splits the model
+    ref = reference("mlp", "sgd", world, B)
+    for rank, res in enumerate(results):
+        assert res["buckets", "default"] == 1
+        torch.testing.assert_close(as_tensor(res["ours", "mlp", "default"]), ref, **TOL)
+        for name in ("per_param", "flat", "bucketed"):
+            torch.testing.assert_close(as_tensor(res["step", name]), ref, **TOL,
+                                       msg=lambda m: f"{name} rank {rank}: {m}")
+        if with_torch:
+            ours_state, ours_none = res["ours", "branchy"]
+            torch_state, torch_none = res["torch", "branchy"]
+            torch.testing.assert_close(as_tensor(ours_state), as_tensor(torch_state), **TOL)
+            assert ours_none and torch_none  # unused everywhere: .grad stays None
+        assert "got no gradient" in res["unused_error"] and "unused.weight" in res["unused_error"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_parity_gloo(world):
+    results = spawn(ddp_worker, world, True, backend="gloo", timeout=120)
+    check_parity(results, world, with_torch=True)
