@@ -1,0 +1,173 @@
+"""Pipeline parallelism against one process running the whole model on the whole batch.
+
+float64; the pipeline sums the micro-batches' gradients in a different order than the full
+batch does, so gradients and parameters agree to rtol=1e-9, atol=1e-12.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, bubble_fractions,
+                                 ideal_bubble, partition, split_sequential)
+from course_lib.spawn import spawn
+
+RTOL, ATOL = 1e-9, 1e-12
+BATCH, MICROBATCHES, TRAIN_STEPS = 8, (1, 4, 8), 5
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+BACKENDS = ["gloo"]
+try:  # the scratch backend joins once course_lib.dist has its rendezvous (lessons 01-02)
+    from course_lib import dist as _scratch
+
+    if hasattr(_scratch, "listen"):
+        BACKENDS.append("scratch")
+except ImportError:
+    pass
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(6, 6, dtype=torch.float64), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest violation of |a - b| <= ATOL + RTOL |b| (<= 0: equal within tolerance)."""
+    return float(((a - b).abs() - (ATOL + RTOL * b.abs())).max())
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 6, generator=g, dtype=torch.float64))
+
+
+def _run_step(schedule, stage: PipelineStage, x, y, losses):
+    if stage.is_first and stage.is_last:
+        return schedule.step(x, target=y, losses=losses)
+    if stage.is_first:
+        return schedule.step(x)
+    if stage.is_last:
+        return schedule.step(target=y, losses=losses)
+    return schedule.step()
+
+
+def _one_case(rank: int, world: int, schedule_cls, m: int, scale_grads: bool = True) -> dict:
+    full = _model()
+    ref = copy.deepcopy(full)
+    to_ref = {id(p): q for p, q in zip(full.parameters(), ref.parameters())}
+    stage = PipelineStage(split_sequential(full, world)[rank], rank, world)
+    params = list(stage.submodule.parameters())
+    schedule = schedule_cls(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=scale_grads)
+    opt = torch.optim.SGD(params, lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    errs: dict[str, float] = {}
+    for step in range(1 + TRAIN_STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        out_ref = ref(x)
+        loss_ref = nn.functional.mse_loss(out_ref, y)
+        loss_ref.backward()
+        losses: list = []
+        out = _run_step(schedule, stage, x, y, losses)
+        if step == 0:
+            errs["grad"] = max(_max_err(p.grad, to_ref[id(p)].grad) for p in params)
+            if stage.is_last:
+                errs["output"] = _max_err(out, out_ref.detach())
+                errs["loss"] = _max_err(torch.stack(losses).mean(), loss_ref.detach())
+            events = schedule.events
+        opt.step()
+        opt_ref.step()
+    errs["params"] = max(_max_err(p, to_ref[id(p)]) for p in params)
+    return {"errs": errs, "peak_live": schedule.peak_live, "events": events,
+            "peak_bytes": schedule.peak_activation_bytes}
+
+
+def _all_cases(rank: int, world: int) -> dict:
+    cases = {(name, m): _one_case(rank, world, cls, m)
+             for name, cls in SCHEDULES.items() for m in MICROBATCHES}
+    # The wrong version: not dividing the loss by m gives m times the gradient.
+    cases["unscaled"] = _one_case(rank, world, ScheduleGPipe, 4, scale_grads=False)["errs"]
+    return cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_pp_parity_and_stored_activations(world, backend):
+    per_rank = spawn(_all_cases, world, backend=backend, timeout=120)
+    for rank, cases in enumerate(per_rank):
+        assert cases.pop("unscaled")["grad"] > 0, "parity missed an unscaled loss"
+        for (name, m), r in cases.items():
+            bad = {k: v for k, v in r["errs"].items() if not v <= 0}
+            assert not bad, f"{name} m={m} stage {rank}: beyond rtol={RTOL} atol={ATOL}: {bad}"
+            # Every micro-batch went forward then backward once on this stage.
+            actions = [(e.action, e.microbatch) for e in r["events"]]
+            assert sorted(actions) == sorted([("F", i) for i in range(m)] +
+                                             [("B", i) for i in range(m)])
+            assert all(e.rank == rank and e.end >= e.start for e in r["events"])
+            # Stored activations: GPipe keeps all m; 1F1B at most p (stage s: min(p - s, m)).
+            expected = m if name == "GPipe" else min(world - rank, m)
+            assert r["peak_live"] == expected, (name, m, rank, r["peak_live"])
+            assert r["peak_live"] <= (m if name == "GPipe" else world)
+            assert r["peak_bytes"] > 0
+    # With as many micro-batches as 8 >= p, 1F1B's first stage stores p, GPipe's stores 8,
+    # and the bytes follow.
+    first = per_rank[0]
+    assert first[("1F1B", 8)]["peak_bytes"] * 8 == first[("GPipe", 8)]["peak_bytes"] * world
+
+
+class _ReversedBackward(ScheduleGPipe):
+    """A wrong schedule: the last stage runs backwards in reverse micro-batch order."""
+
+    def order(self):
+        actions = super().order()
+        if self.stage.is_last:
+            actions = [a for a in actions if a[0] == "F"] + \
+                [a for a in reversed(actions) if a[0] == "B"]
+        return actions
+
+
+def _mismatched_order(rank: int, world: int) -> str:
+    stage = PipelineStage(split_sequential(_model(), world)[rank], rank, world)
+    x, y = _batch(0)
+    try:
+        _run_step(_ReversedBackward(stage, 4, loss_fn=nn.functional.mse_loss), stage, x, y, [])
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_microbatch_order_mismatch_is_an_error_naming_stage_and_peer():
+    msgs = spawn(_mismatched_order, 2, backend="gloo", timeout=30)
+    assert "pipeline stage 0: expected gradient of micro-batch 0 from rank 1 but got " \
+           "micro-batch 3" in msgs[0]
+
+
+def test_partition_balances_costs():
+    assert [list(r) for r in partition([1, 1, 1, 1], 2)] == [[0, 1], [2, 3]]
+    assert [list(r) for r in partition([5, 0, 5, 0], 2)] == [[0, 1], [2, 3]]
+    assert [list(r) for r in partition([4, 1, 1, 1, 1], 2)] == [[0], [1, 2, 3, 4]]
+    assert [len(r) for r in partition([1] * 7, 3)] in ([3, 2, 2], [2, 3, 2], [2, 2, 3])
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        partition([1, 1], 3)
+    stages = split_sequential(_model(), 4)
+    assert [len(s) for s in stages] == [2, 2, 2, 2]
+    assert all(isinstance(s[0], nn.Linear) for s in stages)
+
+
+def test_bubble_fraction_from_events():
+    from course_lib.pipeline import Event
+
+    # Two stages, two micro-batches, unit forward and backward: GPipe's ideal timeline.
+    events = [Event(0, "F", 0, 0, 1), Event(0, "F", 1, 1, 2), Event(1, "F", 0, 1, 2),
+              Event(1, "F", 1, 2, 3), Event(1, "B", 0, 3, 4), Event(1, "B", 1, 4, 5),
+              Event(0, "B", 0, 4, 5), Event(0, "B", 1, 5, 6)]
+    assert bubble_fractions(events) == {0: pytest.approx(1 / 3), 1: pytest.approx(1 / 3)}
+    assert ideal_bubble(2, 2) == pytest.approx(1 / 3)
