@@ -1,0 +1,173 @@
+"""ddp: our DistributedDataParallel (scratch and gloo) vs torch DDP, and the lesson's variants.
+
+Every variant trains its own copy of the same MLP on the same per-rank batch, with the same
+bucket size, in the same processes, interleaved iteration by iteration, so the machine's noise
+hits all of them alike. Per variant: median iteration time of the slowest rank, the cost of
+communication left exposed (iteration time minus the same step without any communication, the
+"local" row), weak-scaling efficiency (local time / variant time) and the ratio to torch DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from course_lib.bench.common import median, slowest_rank
+
+# name -> (implementation, backend); "local" runs the same step without communicating.
+VARIANTS = {
+    "local": ("local", None),
+    "torch_ddp/gloo": ("torch_ddp", "gloo"),
+    "ddp/gloo": ("ddp", "gloo"),
+    "ddp/scratch": ("ddp", "scratch"),
+    "per_param/scratch": ("per_param", "scratch"),
+    "per_param/gloo": ("per_param", "gloo"),
+    "bucketed/scratch": ("bucketed", "scratch"),
+    "bucketed/gloo": ("bucketed", "gloo"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width")
+    p.add_argument("--layers", type=int, default=8, help="MLP depth (hidden x hidden layers)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket_cap_mb for every DDP")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def make_mlp(hidden: int, layers: int, seed: int = 0):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*mods[:-1])
+
+
+def _step_fn(impl: str, backend: str | None, args: dict, dists: dict):
+    """Build one variant's model and return (step(), exposed_wait() or None)."""
+    import torch
+    from torch import nn
+
+    from course_lib import ddp
+
+    model = make_mlp(args["hidden"], args["layers"])
+    dist = dists.get(backend)
+    if impl == "torch_ddp":
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
+    elif impl == "ddp":
+        model = ddp.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"], dist=dist)
+    params = [p for p in model.parameters()]
+    sync = {"per_param": lambda: ddp.allreduce_grads_per_param(params, dist=dist),
+            "bucketed": lambda: ddp.allreduce_grads_bucketed(params, args["bucket_mb"],
+                                                             dist=dist)}.get(impl)
+    opt = torch.optim.SGD(params, lr=1e-3)
+    g = torch.Generator().manual_seed(1 + dists["rank"])
+    x = torch.randn(args["batch"], args["hidden"], generator=g)
+    y = torch.randn(args["batch"], args["hidden"], generator=g)
+
+    def step() -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if sync is not None:
+            sync()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    waited = model.exposed_comm_seconds if impl == "ddp" else None
+    return step, waited
+
+
+def _worker(rank: int, world: int, args: dict, names: list[str], gloo_port: int,
+            backend: str) -> dict:
+    import torch.distributed as tdist
+
+    from course_lib.spawn import init_backend
+
+    dists: dict[Any, Any] = {"rank": rank}
+    if backend == "scratch":  # spawn set up scratch; add gloo so both run in the same processes
+        from course_lib import dist as scratch
+
+        init_backend("gloo", rank, world, timeout=args["timeout"], gloo_port=gloo_port)
+        dists["scratch"] = scratch
+    dists["gloo"] = tdist
+    steps = {n: _step_fn(*VARIANTS[n], args, dists) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    waits: dict[str, list[float]] = {n: [] for n in names}
+    for it in range(args["warmup"] + args["iters"]):
+        for n in names:
+            step, waited = steps[n]
+            tdist.barrier()
+            t0 = time.perf_counter()
+            step()
+            t = time.perf_counter() - t0
+            if it >= args["warmup"]:
+                times[n].append(t)
+                if waited is not None:
+                    waits[n].append(waited())
+    return {"times": times, "waits": waits}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from course_lib.ddp import MiB
+    from course_lib.spawn import free_port, spawn
+
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if "local" not in names:
+        names.insert(0, "local")
+    backend = "scratch" if any(VARIANTS[n][1] == "scratch" for n in names) else "gloo"
+    conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "bucket_mb", "iters",
+                                           "warmup", "timeout")}
+    results = spawn(_worker, args.world, conf, names, free_port(), backend, backend=backend,
+                    timeout=args.timeout)
+    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
+    rows = []
+    for n in names:
+        per_iter = slowest_rank([r["times"][n] for r in results])
+        rows.append({"variant": n, "world": args.world, "params": n_params,
+                     "grad_mib": n_params * 4 / MiB, "bucket_mb": args.bucket_mb,
+                     "iter_ms": 1e3 * median(per_iter)})
+        waits = [r["waits"][n] for r in results]
+        rows[-1]["ddp_wait_ms"] = 1e3 * median(slowest_rank(waits)) if waits[0] else None
+    local = rows[0]["iter_ms"]
+    torch_ms = next((r["iter_ms"] for r in rows if r["variant"] == "torch_ddp/gloo"), None)
+    for r in rows:
+        r["exposed_comm_ms"] = r["iter_ms"] - local
+        r["efficiency"] = local / r["iter_ms"]
+        if torch_ms:
+            r["vs_torch_ddp"] = r["iter_ms"] / torch_ms
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Iteration time per variant, split into compute (the local step) and exposed comm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    local = rows[0]["iter_ms"]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ax.barh(names, [local] * len(rows), label="compute (local step)", color="tab:blue")
+    ax.barh(names, [max(0.0, r["exposed_comm_ms"]) for r in rows], left=local,
+            label="exposed communication", color="tab:orange")
+    ax.invert_yaxis()
+    ax.set_xlabel("iteration time, slowest rank, median (ms)")
+    ax.set_title(f"DDP variants, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB of "
+                 f"gradients, bucket {rows[0]['bucket_mb']:g} MiB")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
