@@ -1,0 +1,60 @@
+"""Suite-wide guard: every process this test session starts must be gone when it ends.
+
+Children inherit a per-session marker in their environment, so at the end we can find any
+engine, controller or kernel the suite left behind (even one re-parented to init), fail the
+run, and end it by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psutil
+import pytest
+
+MARKER = "COURSE_LIB_TEST_SESSION"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(MARKER, uuid.uuid4().hex)
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+
+
+def leftover_processes() -> list[psutil.Process]:
+    """Processes other than this one that carry this session's marker.
+
+    multiprocessing's resource tracker is exempt: it lives until this process exits, by design.
+    """
+    token, me, found = os.environ[MARKER], os.getpid(), []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(MARKER) != token:
+                continue
+            if proc.ppid() == me and "multiprocessing.resource_tracker" in " ".join(proc.cmdline()):
+                continue
+            found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    left = psutil.wait_procs(leftover_processes(), timeout=5)[1]
+    if not left:
+        return
+    lines = []
+    for proc in left:
+        try:
+            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:160]}")
+            proc.kill()
+        except psutil.Error:
+            pass
+    session.config.get_terminal_writer().line(
+        "processes started by the test suite were still alive at the end (now killed):\n"
+        + "\n".join(lines), red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

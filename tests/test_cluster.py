@@ -1,0 +1,216 @@
+"""The engine cluster: ranks, ordering, error naming, timeouts, crashes, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import psutil
+import pytest
+from course_lib import cluster as cl
+from course_lib.cluster import ClusterError, EngineDied, RankError, RankTimeout
+
+pytestmark = pytest.mark.cluster
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
+
+
+def whoami():
+    import torch
+    from course_lib.cluster import get_rank, get_world_size
+
+    return get_rank(), get_world_size(), torch.get_num_threads()
+
+
+def sum_of_ranks_squared():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() ** 2)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def fail_on(ranks):
+    from course_lib.cluster import get_rank
+
+    if get_rank() in ranks:
+        raise ValueError(f"rank {get_rank()} refuses")
+    return get_rank()
+
+
+def sleep_on(rank_to_hang):
+    import time
+    from course_lib.cluster import get_rank
+
+    if get_rank() == rank_to_hang:
+        while True:
+            time.sleep(0.05)
+    return get_rank()
+
+
+def skip_collective_on(rank_to_hang):
+    """The others block inside gloo's all_reduce, where SIGINT cannot reach them."""
+    import time
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_hang:
+        time.sleep(3600)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def die_on(rank_to_die):
+    import os
+    from course_lib.cluster import get_rank
+
+    if get_rank() == rank_to_die:
+        os._exit(3)
+    return get_rank()
+
+
+def alive(pids):
+    """The PIDs that still run (zombies awaiting their parent's wait() count as ended)."""
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+@pytest.fixture(scope="module")
+def c4():
+    with cl.start(4, backend="gloo", timeout=60) as c:
+        yield c
+
+
+def test_ranks_world_and_one_thread_each(c4):
+    assert c4.run(whoami) == [(r, 4, 1) for r in range(4)]
+    assert len(set(c4.pids)) == 4
+
+
+def test_gloo_process_group_sums_across_ranks(c4):
+    expected = float(sum(r * r for r in range(4)))
+    assert c4.run(sum_of_ranks_squared) == [expected] * 4
+
+
+def test_error_names_every_failing_rank_and_cluster_stays_usable(c4):
+    with pytest.raises(RankError) as info:
+        c4.run(fail_on, [1, 3])
+    assert set(info.value.failures) == {1, 3}
+    assert "ValueError: rank 3 refuses" in str(info.value)
+    assert "rank 0" not in str(info.value)
+    assert c4.run(fail_on, []) == [0, 1, 2, 3]
+
+
+def test_hang_is_cut_off_within_30s_and_next_run_works(c4):
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        c4.run(sleep_on, 2, timeout=5)
+    assert time.monotonic() - t0 < 30
+    assert list(info.value.failures) == [2]
+    assert "interrupted" in str(info.value)
+    assert c4.run(sum_of_ranks_squared) == [14.0] * 4
+
+
+def test_uninterruptible_hang_restarts_engines_and_says_so(c4):
+    before = list(c4.pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        c4.run(skip_collective_on, 1, timeout=5)
+    assert time.monotonic() - t0 < 30
+    assert 1 in info.value.failures
+    assert "restarted" in str(info.value)
+    assert not alive(before)
+    assert c4.run(whoami) == [(r, 4, 1) for r in range(4)]
+    assert c4.run(sum_of_ranks_squared) == [14.0] * 4
+
+
+def test_crash_is_reported_and_restart_restores_ranks():
+    with cl.start(2, backend="gloo") as c:
+        with pytest.raises(EngineDied) as info:
+            c.run(die_on, 1, timeout=30)
+        assert list(info.value.failures) == [1]
+        with pytest.raises(EngineDied, match="restart"):
+            c.run(whoami)
+        c.restart()
+        assert c.run(whoami) == [(0, 2, 1), (1, 2, 1)]
+        assert c.run(sum_of_ranks_squared) == [1.0, 1.0]
+
+
+def test_processes_end_after_exception_inside_with():
+    with pytest.raises(KeyError):
+        with cl.start(1, backend="none") as c:
+            pids = list(c.pids) + [pid for pid, _ in c._procs]
+            raise KeyError("boom")
+    assert not alive(pids)
+
+
+def test_processes_end_after_keyboard_interrupt_inside_with():
+    with pytest.raises(KeyboardInterrupt):
+        with cl.start(1, backend="none") as c:
+            pids = [pid for pid, _ in c._procs]
+            raise KeyboardInterrupt
+    assert not alive(pids)
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from course_lib import cluster
+    c = cluster.start(2, backend="none")
+    print(" ".join(str(pid) for pid, _ in c._procs), flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(3600)
+""")
+
+
+def test_processes_end_at_interpreter_exit():
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "exit"], capture_output=True, text=True,
+                         timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) >= 3, out.stderr  # controller + 2 engines at least
+    assert not wait_gone(pids, 10)
+
+
+def test_processes_end_when_the_client_is_killed():
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "hang"], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) >= 3
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # no atexit: the engines' watchdog must act
+        proc.wait(10)
+    assert not wait_gone(pids, 20)
+
+
+def test_bad_input_gets_clear_errors():
+    with pytest.raises(ValueError, match="positive number of engines"):
+        cl.start(n=0)
+    with pytest.raises(ValueError, match="unknown backend 'nccl'"):
+        cl.start(2, backend="nccl")
+    with pytest.raises(ValueError, match='engines="mpi"'):
+        cl.start(2, backend="mpi")
+    c = cl.start(1, backend="none")
+    c.stop()
+    with pytest.raises(ClusterError, match="stopped"):
+        c.run(whoami)
+    with pytest.raises(TypeError, match="needs a function"):
+        cl.Cluster.run(c, 42)
+
