@@ -193,8 +193,8 @@ def build(root: Path) -> list[str]:
     for rel, data in sorted(want.items()):
         path = root / rel
         if path.exists() and rel.endswith(".py") and not _is_generated_module(path):
-            raise BuildError(f"refusing to overwrite hand-written {rel}; "
-                             f"rename the module in its '#| default_exp' cell")
+            raise BuildError(f"refusing to overwrite hand-written {rel}: delete it if the "
+                             f"notebook is now its source, else rename the '#| default_exp'")
         if not path.exists() or path.read_bytes() != data:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)

@@ -1,0 +1,89 @@
+"""Comparing a learner's value with the expected one, and showing both briefly."""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from typing import Any
+
+_short = reprlib.Repr()
+WRONG_VALUE = "wrong value"
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxtuple = 60, 60, 8, 8
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "shape")
+
+
+def _is_array(x: Any) -> bool:
+    return type(x).__module__.startswith("numpy") and hasattr(x, "shape")
+
+
+def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "") -> str | None:
+    """None when `got` matches `expected` (numbers within rtol/atol), else what differs."""
+    at = f" at {where}" if where else ""
+    if _is_tensor(expected) or _is_array(expected):
+        if type(got) is not type(expected):
+            return f"expected a {type(expected).__name__}{at}, got {type(got).__name__}"
+        if tuple(got.shape) != tuple(expected.shape):
+            return f"shape {tuple(got.shape)}{at}, expected {tuple(expected.shape)}"
+        if got.dtype != expected.dtype:
+            return f"dtype {got.dtype}{at}, expected {expected.dtype}"
+        import numpy as np
+
+        if _is_tensor(expected):
+            got, expected = got.detach().cpu().numpy(), expected.detach().cpu().numpy()
+        close = np.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True)
+        if close.all():
+            return None
+        err = np.where(close, 0, np.abs(got.astype(np.float64) - expected.astype(np.float64)))
+        worst = np.unravel_index(np.argmax(err), err.shape)
+        return (f"values differ{at}: max |got - expected| = {err[worst]:.3g} at "
+                f"{tuple(int(i) for i in worst)}")
+    if isinstance(expected, bool) or isinstance(got, bool):
+        return None if got is expected else _wrong(got, expected, where)
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        ok = math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) or (
+            math.isnan(got) and math.isnan(expected))
+        return None if ok else _wrong(got, expected, where)
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return f"expected a {type(expected).__name__}{at}, got {type(got).__name__}"
+        if len(got) != len(expected):
+            return f"length {len(got)}{at}, expected {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            diff = mismatch(g, e, rtol, atol, f"{where}[{i}]")
+            if diff:
+                return diff
+        return None
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(got) != set(expected):
+            return f"{show(got)}{at}, expected keys {sorted(map(str, expected))}"
+        for k in expected:
+            diff = mismatch(got[k], expected[k], rtol, atol, f"{where}[{k!r}]")
+            if diff:
+                return diff
+        return None
+    try:
+        equal = bool(got == expected)
+    except Exception:  # noqa: BLE001 - an odd __eq__ is a mismatch, not a crash
+        equal = False
+    return None if equal else _wrong(got, expected, where)
+
+
+def _wrong(got: Any, expected: Any, where: str) -> str:
+    # At the top level the table's expected/got columns already show both values.
+    return f"{show(got)} at {where}, expected {show(expected)}" if where else WRONG_VALUE
+
+
+def show(value: Any) -> str:
+    """A short one-line repr of any value (tensors by shape, dtype and a few values)."""
+    if _is_tensor(value):
+        flat = value.detach().reshape(-1)[:6].tolist()
+        more = ", ..." if value.numel() > 6 else ""
+        return (f"tensor({', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in flat)}"
+                f"{more}) shape={tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
+    try:
+        return _short.repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not break the report
+        return f"<{type(value).__name__}>"

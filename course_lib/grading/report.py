@@ -1,0 +1,115 @@
+"""The outcome of checking one exercise, shown as a table in JupyterLab or as plain text."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict, dataclass, field
+
+_WIDTH = 60  # longest cell in the plain-text table
+
+
+@dataclass
+class Row:
+    """One call's verdict: a case on one rank (rank None: run locally; "all": the total)."""
+
+    rank: int | str | None
+    passed: bool
+    expected: str
+    got: str
+    note: str = ""
+
+
+@dataclass
+class CaseResult:
+    """All rows of one test case; it passes only if every row does."""
+
+    label: str
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+
+@dataclass
+class Result:
+    """Points for one exercise, why, and the per-case (per-rank) table behind them."""
+
+    exercise: str
+    points: float
+    max_points: float
+    reason: str
+    cases: list[CaseResult] = field(default_factory=list)
+    hint: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.points >= self.max_points
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data (what the batch grader reads back from a kernel)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Result":
+        cases = [CaseResult(c["label"], [Row(**r) for r in c["rows"]]) for c in data["cases"]]
+        return cls(data["exercise"], data["points"], data["max_points"], data["reason"],
+                   cases, data.get("hint", ""))
+
+    def _table(self) -> tuple[list[str], list[list[str]], list[bool]]:
+        ranked = any(r.rank is not None for c in self.cases for r in c.rows)
+        head = ["case"] + (["rank"] if ranked else []) + ["result", "expected", "got", "note"]
+        body, ok = [], []
+        for c in self.cases:
+            for i, r in enumerate(c.rows):
+                rank = [] if not ranked else ["" if r.rank is None else str(r.rank)]
+                body.append([c.label if i == 0 else ""] + rank +
+                            ["pass" if r.passed else "FAIL", r.expected, r.got, r.note])
+                ok.append(r.passed)
+        return head, body, ok
+
+    def _title(self) -> str:
+        return f"{self.exercise}: {_num(self.points)} / {_num(self.max_points)} points. {self.reason}"
+
+    def __str__(self) -> str:
+        head, body, _ = self._table()
+        lines = [self._title()]
+        if body:
+            cells = [[_clip(x) for x in row] for row in [head] + body]
+            widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+            fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
+            lines += [fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]]
+        if self.hint and not self.passed:
+            lines.append(f"Hint: {self.hint}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        head, body, ok = self._table()
+        colour = "#1a7f37" if self.passed else "#cf222e"
+        td = 'style="text-align:left;padding:2px 8px;font-family:monospace"'
+        out = [f'<div><p style="color:{colour};font-weight:bold">{html.escape(self._title())}</p>']
+        if body:
+            out.append("<table><tr>" + "".join(f"<th {td}>{html.escape(h)}</th>" for h in head)
+                       + "</tr>")
+            for row, passed in zip(body, ok):
+                mark = {"pass": "&#10004; pass", "FAIL": "&#10008; fail"}
+                cells = [mark.get(x, html.escape(x)) if i == head.index("result") else
+                         html.escape(x) for i, x in enumerate(row)]
+                bg = "" if passed else ' style="background:rgba(207,34,46,0.08)"'
+                out.append(f"<tr{bg}>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
+            out.append("</table>")
+        if self.hint and not self.passed:
+            out.append(f"<p><b>Hint:</b> {html.escape(self.hint)}</p>")
+        return "\n".join(out) + "</div>"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _clip(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= _WIDTH else text[: _WIDTH - 3] + "..."

@@ -1,0 +1,237 @@
+"""Running a learner's function against an exercise: locally under a time limit, or on a cluster.
+
+`check(name, fn)` is what a notebook's check cell calls; `grade_function` is the same check
+returning a `Result` (the batch grader and tests use it). Neither hangs: a local call runs in a
+thread that is abandoned (and asked to stop) after the time limit; a cluster call uses
+`Cluster.run(timeout=...)`, which interrupts the stuck ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import inspect
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from course_lib.grading.compare import WRONG_VALUE, mismatch, show
+from course_lib.grading.exercise import Case, Exercise, get_exercise, substitute
+from course_lib.grading.report import CaseResult, Result, Row
+
+GRADING_ENV = "COURSE_LIB_GRADING"  # set by course-grade: check cells then do nothing
+_NOT_LEARNER = tuple(str(Path(p).resolve()) for p in
+                     {sys.prefix, sys.base_prefix, Path(__file__).resolve().parents[1]})
+
+
+class CheckTimeout(Exception):
+    """Raised inside a learner's call that ran past its time limit, to stop it."""
+
+
+def learner_frame(exc: BaseException) -> str:
+    """Where in the learner's code `exc` came from, e.g. "in shard_sum, line 3: x = 1 / 0"."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_LEARNER)]
+    if not (mine or frames):
+        return ""
+    f = (mine or frames)[-1]
+    code = f" : {f.line.strip()}" if f.line else ""
+    return f"in {f.name}, line {f.lineno}{code}"
+
+
+def guarded_call(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict) -> dict:
+    """Call `fn` (through `harness`) and describe what happened as a plain dict, never raising."""
+    try:
+        value = harness(fn, *args, **kwargs) if harness else fn(*args, **kwargs)
+        return {"status": "ok", "value": value}
+    except NotImplementedError as exc:
+        return {"status": "notimpl", "where": learner_frame(exc)}
+    except CheckTimeout:
+        return {"status": "timeout"}
+    except Exception as exc:  # noqa: BLE001 - the learner's error is the result here
+        msg = str(exc).strip().splitlines()
+        return {"status": "error", "error": f"{type(exc).__name__}: {msg[0] if msg else ''}",
+                "where": learner_frame(exc)}
+
+
+def _on_rank(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict) -> dict:
+    """Engine side: call `fn` with RANK / WORLD_SIZE replaced by this engine's values."""
+    from course_lib.cluster import get_rank, get_world_size
+
+    rank, world = get_rank(), get_world_size()
+    return guarded_call(fn, harness, substitute(args, rank, world),
+                        substitute(kwargs, rank, world))
+
+
+def call_with_limit(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict,
+                    limit: float) -> dict:
+    """`guarded_call` in a daemon thread; after `limit` seconds, report a timeout and ask the
+    thread to stop (a pure-Python loop stops; a call blocked in C finishes in the background)."""
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(guarded_call(fn, harness, args, kwargs)),
+                              name="course_lib-check", daemon=True)
+    worker.start()
+    try:
+        worker.join(limit)
+    finally:
+        if worker.is_alive():  # timed out, or the user interrupted the kernel
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                       ctypes.py_object(CheckTimeout))
+            worker.join(1.0)
+    if not box or box["status"] == "timeout":
+        return {"status": "timeout", "stopped": not worker.is_alive()}
+    return box
+
+
+def signature_problem(ex: Exercise, fn: Callable) -> str | None:
+    """Why `fn` cannot be called the way the exercise calls it, or None."""
+    if ex.params is None:
+        return None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*ex.params)
+    except TypeError:
+        return f"wrong signature: expected {ex.signature()}, got {fn.__name__}{sig}"
+    return None
+
+
+def _outcome_row(rank: Any, out: dict, expected: Any, ex: Exercise, limit: float) -> Row:
+    want = show(expected)
+    status = out["status"]
+    if status == "ok":
+        diff = mismatch(out["value"], expected, ex.rtol, ex.atol)
+        return Row(rank, diff is None, want, show(out["value"]), diff or "")
+    if status == "notimpl":
+        return Row(rank, False, want, "NotImplementedError", "not implemented yet")
+    if status == "timeout":
+        note = f"timed out after {limit:g}s (endless loop or deadlock?)"
+        if out.get("stopped") is False:
+            note += "; it is still running in the background: restart the kernel if slow"
+        return Row(rank, False, want, "no result", note)
+    where = f" ({out['where']})" if out.get("where") else ""
+    return Row(rank, False, want, out["error"], f"raised {out['error']}{where}")
+
+
+def _expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None = None) -> Any:
+    if c.has_expected:
+        return c.expected
+    args, kwargs = copy.deepcopy((c.args, c.kwargs))
+    if rank is not None:
+        args, kwargs = substitute(args, rank, world), substitute(kwargs, rank, world)
+    return ex.reference(*args, **kwargs)
+
+
+def _run_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> list[Row]:
+    expected = _expected(ex, c)
+    args, kwargs = copy.deepcopy((c.args, c.kwargs))
+    return [_outcome_row(None, call_with_limit(fn, ex.harness, args, kwargs, limit), expected,
+                         ex, limit)]
+
+
+def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float) -> list[Row]:
+    from course_lib.cluster import RankError, RankTimeout
+
+    world = cluster.world_size
+    expected = [_expected(ex, c, r, world) for r in range(world)]
+    try:
+        outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
+    except RankTimeout as exc:
+        outs = [{"status": "timeout"} if r in exc.failures else
+                {"status": "error", "error": "finished, but other ranks hung"}
+                for r in range(world)]
+    except RankError as exc:
+        outs = [{"status": "error", "error": exc.failures.get(r, "no result (another rank "
+                                                                "failed)")} for r in range(world)]
+    rows = [_outcome_row(r, out, expected[r], ex, limit) for r, out in enumerate(outs)]
+    if ex.total is not None:
+        if all(out["status"] == "ok" for out in outs):
+            rows.append(_outcome_row("all", {"status": "ok",
+                                             "value": ex.total([o["value"] for o in outs])},
+                                     ex.total(expected), ex, limit))
+        else:
+            rows.append(Row("all", False, show(ex.total(expected)), "no result",
+                            "some ranks gave no value"))
+    return rows
+
+
+def _summary(ex: Exercise, cases: list[CaseResult], stopped: str) -> tuple[float, str]:
+    failed = [c for c in cases if not c.passed]
+    points = round(ex.points * (len(cases) - len(failed)) / len(cases), 2)
+    if stopped:
+        return points, stopped
+    if not failed:
+        return points, f"all {len(cases)} cases passed"
+    first = failed[0]
+    row = next(r for r in first.rows if not r.passed)
+    rank = "" if row.rank is None else ("all ranks: " if row.rank == "all" else
+                                        f"rank {row.rank}: ")
+    what = row.note
+    if what == WRONG_VALUE:
+        what = f"expected {row.expected}, got {row.got}"
+    return points, f"{len(failed)} of {len(cases)} cases failed; first: {first.label}: {rank}{what}"
+
+
+def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
+                   time_limit: float | None = None) -> Result:
+    """Check `fn` against every case of `exercise`; points in proportion to cases passed."""
+    ex = exercise if isinstance(exercise, Exercise) else get_exercise(exercise)
+    limit = float(time_limit or ex.time_limit)
+
+    def zero(reason: str, cases: list | None = None) -> Result:
+        return Result(ex.name, 0.0, float(ex.points), reason, cases or [], ex.hint)
+
+    if fn is None:
+        return zero(f"{ex.function} is not defined: run the cell that defines it")
+    if not callable(fn):
+        return zero(f"{ex.function} should be a function, got {type(fn).__name__}")
+    problem = signature_problem(ex, fn)
+    if problem:
+        return zero(problem)
+    if ex.distributed and cluster is None:
+        raise ValueError(f"{ex.name} runs on the cluster: check({ex.name!r}, {ex.function}, "
+                         f"cluster=c) with c = course_lib.cluster.start(...)")
+    cases: list[CaseResult] = []
+    stopped = ""
+    for c in ex.cases:
+        label = c.describe(ex.function)
+        if stopped:
+            cases.append(CaseResult(label, [Row(None, False, "", "", "not run")]))
+            continue
+        rows = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
+                else _run_local(ex, c, fn, limit))
+        cases.append(CaseResult(label, rows))
+        notes = [r.note for r in rows if not r.passed]
+        if any(n == "not implemented yet" for n in notes):
+            return zero(f"not implemented yet: {ex.function} raises NotImplementedError", cases)
+        if any(n.startswith("timed out") for n in notes):
+            where = [str(r.rank) for r in rows
+                     if r.rank is not None and r.note.startswith("timed out")]
+            ranks = f" on rank(s) {', '.join(where)}" if where else ""
+            stopped = (f"timed out: {label} did not finish within {limit:g}s{ranks} "
+                       "(an endless loop or a deadlock?)")
+    points, reason = _summary(ex, cases, stopped)
+    return Result(ex.name, points, float(ex.points), reason, cases, ex.hint)
+
+
+def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | None = None) -> None:
+    """A check cell: grade `fn` and show the per-case (per-rank) table under the cell."""
+    if os.environ.get(GRADING_ENV):
+        print(f"check({exercise!r}) skipped: the grader runs its own checks")
+        return
+    result = grade_function(exercise, fn, cluster, time_limit=time_limit)
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if get_ipython() is not None:
+            display(result)
+            return
+    except ImportError:
+        pass
+    print(result)

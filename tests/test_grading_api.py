@@ -1,0 +1,163 @@
+"""course_lib.grading: declaring exercises and checking a learner's function locally."""
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from course_lib.grading import (RANK, Exercise, Result, case, check, get_exercise,
+                                grade_function, register)
+from course_lib.grading.compare import mismatch
+
+SCALE = register(Exercise(
+    name="lesson99.scale", notebook="99_api_test", params=("x", "factor"),
+    cases=[case(torch.arange(4.0), 2.0), case(torch.ones(2, 3), -0.5),
+           case(torch.tensor([1.0, 2.0]), 3.0, expected=torch.tensor([3.0, 6.0]))],
+    reference=lambda x, factor: x * factor, points=3, hint="multiply", time_limit=1.0))
+
+
+def scale(x, factor):
+    return x * factor
+
+
+def scale_close(x, factor):  # within float32 rounding of the reference
+    return (x * factor * 3.0) / 3.0
+
+
+def scale_wrong_once(x, factor):  # a realistic slip: ignores negative factors
+    return x * abs(factor)
+
+
+def scale_todo(x, factor):
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+def scale_one_arg(x):
+    return x
+
+
+def scale_raises(x, factor):
+    table = {}
+    return table[factor]
+
+
+def scale_hangs(x, factor):
+    while True:
+        pass
+
+
+def test_correct_function_gets_full_points():
+    for fn in (scale, scale_close):
+        result = grade_function("lesson99.scale", fn)
+        assert (result.points, result.max_points) == (3.0, 3.0), str(result)
+        assert result.passed and result.reason == "all 3 cases passed"
+        assert [c.passed for c in result.cases] == [True, True, True]
+
+
+def test_wrong_function_is_graded_by_case():
+    result = grade_function("lesson99.scale", scale_wrong_once)
+    assert result.points == 2.0 and not result.passed
+    assert result.reason.startswith("1 of 3 cases failed; first: scale(tensor(1, 1, 1, 1, 1, 1)")
+    assert "values differ" in result.reason
+    assert "Hint: multiply" in str(result)
+
+
+def test_not_implemented_is_zero_with_a_clear_reason():
+    result = grade_function("lesson99.scale", scale_todo)
+    assert result.points == 0.0
+    assert result.reason == "not implemented yet: scale raises NotImplementedError"
+
+
+def test_wrong_signature_is_reported_before_any_call():
+    result = grade_function("lesson99.scale", scale_one_arg)
+    assert result.points == 0.0 and result.cases == []
+    assert result.reason == "wrong signature: expected scale(x, factor), got scale_one_arg(x)"
+
+
+def test_exception_names_type_message_and_learner_line():
+    result = grade_function("lesson99.scale", scale_raises)
+    assert result.points == 0.0
+    assert "raised KeyError: 2.0 (in scale_raises, line " in result.reason
+    assert "return table[factor]" in result.reason
+
+
+def test_missing_or_non_callable():
+    assert grade_function("lesson99.scale", None).reason.startswith("scale is not defined")
+    assert "should be a function, got int" in grade_function("lesson99.scale", 3).reason
+
+
+def test_hang_is_cut_off_and_stopped():
+    threads = threading.active_count()
+    start = time.monotonic()
+    result = grade_function("lesson99.scale", scale_hangs)
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0 + 2.0, elapsed  # one case's limit, then the other cases are not run
+    assert result.points == 0.0
+    assert result.reason.startswith("timed out: scale(") and "within 1s" in result.reason
+    assert [r.note for c in result.cases for r in c.rows][1:] == ["not run", "not run"]
+    time.sleep(0.2)
+    assert threading.active_count() == threads  # the endless loop was stopped
+
+
+def test_plain_text_and_html_rendering():
+    result = grade_function("lesson99.scale", scale_wrong_once)
+    text = str(result).splitlines()
+    assert text[0].startswith("lesson99.scale: 2 / 3 points. 1 of 3 cases failed")
+    assert text[1].split() == ["case", "result", "expected", "got", "note"]
+    assert [" FAIL " in line for line in text[3:6]] == [False, True, False]
+    assert "max |got - expected| = 1 at (0, 0)" in text[4]
+    page = result._repr_html_()
+    assert page.count("<tr") == 4 and "&#10008; fail" in page and "Hint:</b> multiply" in page
+
+    class Printer:
+        def text(self, s):
+            self.out = s
+    p = Printer()
+    result._repr_pretty_(p, False)
+    assert p.out == str(result)
+
+
+def test_check_prints_the_table_or_skips_while_grading(capsys, monkeypatch):
+    check("lesson99.scale", scale)
+    out = capsys.readouterr().out
+    assert out.startswith("lesson99.scale: 3 / 3 points. all 3 cases passed")
+    monkeypatch.setenv("COURSE_LIB_GRADING", "1")
+    check("lesson99.scale", scale_todo)
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_result_round_trips_through_json_data():
+    result = grade_function("lesson99.scale", scale_wrong_once)
+    again = Result.from_dict(result.to_dict())
+    assert str(again) == str(result)
+
+
+@pytest.mark.parametrize("got, expected, verdict", [
+    (1.0 + 1e-7, 1.0, None), (1.1, 1.0, "wrong value"), (3, 3, None), (True, 1, "wrong value"),
+    ([1, 2.0], [1, 2.0 + 1e-9], None), ([1, 2], [1, 3], "2 at [1], expected 3"),
+    ({"a": 1}, {"a": 1}, None), (torch.zeros(2), torch.zeros(3), "shape (2,), expected (3,)"),
+    (torch.zeros(2, dtype=torch.int64), torch.zeros(2), "dtype torch.int64, expected torch.float32"),
+    ([1.0], (1.0,), None), (math.nan, math.nan, None), ("a", 1, "wrong value"),
+])
+def test_mismatch(got, expected, verdict):
+    assert mismatch(got, expected, 1e-5, 1e-8) == verdict
+
+
+def test_bad_declarations_are_rejected():
+    with pytest.raises(ValueError, match="must look like 'lesson00.function'"):
+        Exercise(name="scale", notebook="x", cases=[case(1, expected=1)])
+    with pytest.raises(ValueError, match="reference or an expected value"):
+        Exercise(name="lesson99.f", notebook="x", cases=[case(1)])
+    with pytest.raises(ValueError, match="only make sense when distributed"):
+        Exercise(name="lesson99.f", notebook="x", cases=[case(RANK, expected=1)])
+    with pytest.raises(ValueError, match="registered by both 99_api_test and 98_other"):
+        register(Exercise(name="lesson99.scale", notebook="98_other",
+                          cases=[case(1, expected=1)]))
+    with pytest.raises(KeyError, match="no exercise named 'lesson99.nope'.*lesson99.scale"):
+        get_exercise("lesson99.nope")
+    with pytest.raises(ValueError, match="runs on the cluster"):
+        grade_function(Exercise(name="lesson99.d", notebook="x", distributed=True,
+                                cases=[case(RANK, expected=1)]), lambda r: r)
