@@ -1,0 +1,24 @@
+"""`course_lib.dist`: a process group built from scratch on TCP sockets, shaped like torch.distributed.
+
+    from course_lib import dist
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, algorithm="ring")
+
+Layers, each its own file: `wire` (frames, handshake) -> `peer` (one link: tags, timeouts)
+-> `transport` (the mesh) -> `group` (ranks, sub-groups, set-up) -> `p2p` and `collectives`.
+"""
+
+from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadcast, gather,
+                                         reduce, reduce_scatter, scatter)
+from course_lib.dist.errors import DistError, DistTimeoutError
+from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group, get_backend,
+                                   get_rank, get_world_size, init_process_group, is_initialized,
+                                   listen, new_group)
+from course_lib.dist.p2p import irecv, isend, recv, send
+from course_lib.dist.peer import Work
+
+__all__ = [
+    "DistError", "DistTimeoutError", "ProcessGroup", "ReduceOp", "Work",
+    "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group", "gather",
+    "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized",
+    "isend", "listen", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+]

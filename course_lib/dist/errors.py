@@ -1,0 +1,25 @@
+"""The errors `course_lib.dist` raises: each names this rank, the peer and the operation."""
+
+from __future__ import annotations
+
+
+class DistError(RuntimeError):
+    """A distributed operation failed: a dead or misbehaving peer, a mismatch, a closed group."""
+
+    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None,
+                 op: str | None = None):
+        super().__init__(message)
+        self.rank, self.peer, self.op = rank, peer, op
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A blocking wait ran past its timeout (the group's, unless the call gave its own)."""
+
+
+class ProtocolError(Exception):
+    """Bytes on a connection that are not our protocol: the connection is closed, never trusted."""
+
+
+def describe(rank: int, op: str, direction: str, peer: int, reason: str) -> str:
+    """The one message format: 'rank 1: all_reduce(ring) recv from rank 0 failed: <reason>'."""
+    return f"rank {rank}: {op} {direction} rank {peer} failed: {reason}"

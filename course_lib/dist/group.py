@@ -1,0 +1,241 @@
+"""Process groups: this process's rank, the world, sub-groups, and setting them up and down.
+
+The rendezvous seam (used by `course_lib.spawn` and `course_lib.cluster`):
+`listen()` opens this rank's socket and returns its address; once every rank's address and a
+shared secret are known, `init_process_group("scratch", rank=, world_size=, addresses=,
+secret=, timeout=)` connects the mesh. `destroy_process_group()` closes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+
+from course_lib.dist.errors import DistError
+from course_lib.dist.peer import Peer, RecvRequest, Work, seconds
+from course_lib.dist.transport import Listener, Transport
+
+DEFAULT_TIMEOUT = 300.0
+MAX_TAG = 2 ** 31 - 1
+
+
+class ReduceOp(enum.Enum):
+    """How all_reduce, reduce and reduce_scatter combine values (torch.distributed's names)."""
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+class ProcessGroup:
+    """A set of global ranks that run collectives together; `rank` is this process's index."""
+
+    def __init__(self, transport: Transport, ranks: Sequence[int], group_id: int,
+                 timeout: float):
+        self.transport, self.ranks, self.id = transport, list(ranks), group_id
+        self.timeout = timeout
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(transport.rank) if transport.rank in self.ranks else -1
+        self._seq = itertools.count()
+        self._worker: _Worker | None = None
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(ranks={self.ranks}, rank={self.rank})"
+
+    def check_member(self, op: str) -> None:
+        if self.rank < 0:
+            raise DistError(f"rank {self.transport.rank}: {op} on {self!r} failed: this rank is "
+                            f"not a member of the group", rank=self.transport.rank, op=op)
+
+    def group_rank(self, global_rank: int, what: str) -> int:
+        """Index in this group of a global rank given as `src`/`dst` (torch's convention)."""
+        if global_rank not in self.ranks:
+            raise ValueError(f"{what}={global_rank} is not in the group's ranks {self.ranks}")
+        return self.ranks.index(global_rank)
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def collective_tag(self) -> int:
+        """A fresh negative tag per collective call, so messages of two calls never mix."""
+        return -1 - ((self.id << 32) | (next(self._seq) & 0xFFFFFFFF))
+
+    def p2p_tag(self, tag: int) -> int:
+        if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag must be an int in [0, {MAX_TAG}], got {tag!r}")
+        return (self.id << 32) | tag
+
+    def peer(self, group_rank: int, op: str) -> Peer:
+        if group_rank == self.rank:
+            raise ValueError(f"rank {self.transport.rank}: {op}: cannot send to or receive "
+                             f"from itself")
+        return self.transport.peer(self.ranks[group_rank])
+
+    # Point-to-point by group rank and wire tag: what collectives are written with.
+    def send(self, tensor: torch.Tensor, to: int, tag: int, op: str) -> None:
+        self.peer(to, op).isend(tensor, tag, op, self.deadline(), blocking=True).wait()
+
+    def isend(self, tensor: torch.Tensor, to: int, tag: int, op: str) -> Work:
+        return self.peer(to, op).isend(tensor, tag, op, self.deadline())
+
+    def recv(self, tensor: torch.Tensor, frm: int, tag: int, op: str) -> None:
+        self.peer(frm, op).recv(tensor, tag, op, self.deadline())
+
+    def irecv(self, tensor: torch.Tensor, frm: int, tag: int, op: str) -> RecvRequest:
+        return self.peer(frm, op).irecv(tensor, tag, op, self.deadline())
+
+    def submit(self, fn: Callable[[], None], op: str) -> Work:
+        """Run `fn` on the group's worker thread (in call order): what async_op=True returns."""
+        if self._worker is None:
+            self._worker = _Worker(f"dist-async-{self.transport.rank}-g{self.id}")
+        work = Work(self.deadline(), (self.transport.rank, op, "", None))
+        self._worker.put(fn, work)
+        return work
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+
+
+class _Worker:
+    """One thread running queued calls in order, finishing each call's Work."""
+
+    def __init__(self, name: str):
+        self._queue: list = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, fn: Callable[[], None], work: Work) -> None:
+        with self._cond:
+            self._queue.append((fn, work))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                fn, work = self._queue.pop(0)
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                work._finish(exc)
+            else:
+                work._finish()
+
+    def stop(self) -> None:
+        self.put(None, Work(0.0, (0, "", "", None)))
+        self._thread.join(1.0)
+
+
+# --- this process's state ----------------------------------------------------------------
+
+_listener: Listener | None = None
+_world: ProcessGroup | None = None
+_groups: list[ProcessGroup] = []
+
+
+def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+    """Open this rank's listening socket (loopback unless told otherwise); returns its address."""
+    global _listener
+    if _world is not None:
+        raise RuntimeError("listen() must come before init_process_group()")
+    if _listener is not None:
+        _listener.close()
+    _listener = Listener(host, port)
+    return _listener.address
+
+
+def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
+                       addresses: Sequence[tuple[str, int]] | None = None,
+                       secret: bytes | None = None,
+                       timeout: float | timedelta = DEFAULT_TIMEOUT) -> None:
+    """Connect to every other rank (each link authenticated with `secret`); sets the world."""
+    global _listener, _world
+    if backend != "scratch":
+        raise ValueError(f"course_lib.dist only has the 'scratch' backend, got {backend!r}")
+    if _world is not None:
+        raise RuntimeError("the process group is already initialized; destroy it first")
+    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, "
+                         f"world_size={world_size!r}")
+    if world_size > 1:
+        if _listener is None:
+            raise RuntimeError("call dist.listen() first and pass every rank's address")
+        if addresses is None or len(addresses) != world_size:
+            raise ValueError(f"addresses must list one (host, port) per rank ({world_size})")
+        if tuple(addresses[rank])[1] != _listener.address[1]:
+            raise ValueError(f"addresses[{rank}]={addresses[rank]} is not this rank's listener "
+                             f"{_listener.address}")
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("secret must be at least 16 random bytes shared by the cluster")
+    listener, _listener = _listener or Listener(), None
+    transport = Transport(rank, world_size, list(addresses or [listener.address]),
+                          secret or b"", seconds(timeout), listener)
+    _world = ProcessGroup(transport, range(world_size), 0, seconds(timeout))
+    _groups[:] = [_world]
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Close every connection and background thread (the whole world, as torch does)."""
+    global _world
+    if _world is None:
+        return
+    world, _world = _world, None
+    for g in _groups:
+        g.close()
+    _groups.clear()
+    world.transport.close()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def resolve(group: ProcessGroup | None, op: str) -> ProcessGroup:
+    """The group to use: the world by default; checks this rank belongs to it."""
+    if _world is None:
+        raise RuntimeError(f"{op}: the process group is not initialized "
+                           f"(call init_process_group, or use course_lib.spawn/cluster)")
+    group = _world if group is None else group
+    group.check_member(op)
+    return group
+
+
+def new_group(ranks: Sequence[int] | None = None,
+              timeout: float | timedelta | None = None) -> ProcessGroup:
+    """A sub-group of global ranks; every rank of the world must call it, in the same order."""
+    world = resolve(None, "new_group")
+    ranks = list(range(world.size)) if ranks is None else sorted(int(r) for r in ranks)
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world.size for r in ranks):
+        raise ValueError(f"new_group: ranks must be distinct ranks of the world, got {ranks}")
+    group = ProcessGroup(world.transport, ranks, len(_groups),
+                         world.timeout if timeout is None else seconds(timeout))
+    _groups.append(group)
+    return group
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (the world by default); -1 if it is not a member."""
+    if _world is None:
+        raise RuntimeError("get_rank: the process group is not initialized")
+    return (group or _world).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    if _world is None:
+        raise RuntimeError("get_world_size: the process group is not initialized")
+    return (group or _world).size
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return "scratch"

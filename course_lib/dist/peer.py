@@ -1,0 +1,406 @@
+"""One authenticated connection to one peer: tagged sends and receives with timeouts.
+
+Receives are matched by tag, in posting order per tag; a message nobody has asked for yet is
+kept until someone does. Whichever thread waits for a receive reads the socket itself (no
+thread hop on the latency path); a background thread only drives `irecv` and queued `isend`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError, describe
+from course_lib.dist.wire import (ABORT_TAG, HEADER, PeerClosed, WireTimeout, byte_view,
+                                  decode_header, encode_header, recv_exact, send_frame)
+
+log = logging.getLogger("course_lib.dist")
+EAGER_BYTES = 64 * 1024  # isend of at most this many bytes goes out on the caller's thread
+
+
+def seconds(timeout: float | timedelta) -> float:
+    """A timeout given as seconds or as a timedelta (torch's convention), in seconds."""
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class Work:
+    """An operation in flight; `wait()` blocks until it is done, bounded by its deadline."""
+
+    def __init__(self, deadline: float, what: tuple[int, str, str, int | None]):
+        self.deadline = deadline
+        self._what = what  # (rank, op, direction, peer) for error messages
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def _timeout_error(self) -> DistTimeoutError:
+        rank, op, direction, peer = self._what
+        where = f"{op} {direction} rank {peer}" if peer is not None else op
+        return DistTimeoutError(f"rank {rank}: {where} failed: timed out", rank=rank,
+                                peer=peer, op=op)
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until done; raise the operation's error, or DistTimeoutError on expiry."""
+        deadline = self.deadline if timeout is None else time.monotonic() + seconds(timeout)
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            raise self._timeout_error()
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+POSTED, FILLING, DONE = range(3)
+
+
+class RecvRequest(Work):
+    """A posted receive: where the bytes go, and the tag they must carry."""
+
+    def __init__(self, peer: "Peer", target: torch.Tensor, tag: int, op: str, deadline: float):
+        super().__init__(deadline, (peer.rank, op, "recv from", peer.peer))
+        self.peer, self.target, self.tag, self.op = peer, target, tag, op
+        self.buffer = target if target.is_contiguous() else torch.empty_like(
+            target, memory_format=torch.contiguous_format)
+        self.view = byte_view(self.buffer)
+        self.state = POSTED
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        if error is None and self.buffer is not self.target:
+            self.target.copy_(self.buffer)
+        self.state = DONE
+        self._finish(error)
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        deadline = self.deadline if timeout is None else time.monotonic() + seconds(timeout)
+        self.peer.progress(self, deadline)
+        return True
+
+
+class Peer:
+    """The connection from this rank to rank `peer` (global ranks)."""
+
+    def __init__(self, rank: int, peer: int, sock: socket.socket, timeout: float,
+                 on_fatal: Callable[[int, str], None]):
+        self.rank, self.peer, self.timeout = rank, peer, timeout
+        sock.settimeout(None)  # blocking; deadlines are armed per call with SO_RCVTIMEO/SNDTIMEO
+        self._rsock, self._wsock = sock, sock.dup()  # reader and writer each own a timeout
+        self._on_fatal = on_fatal
+        self.dead: str | None = None
+        self._cond = threading.Condition()
+        self._reading = False
+        self._posted: dict[int, deque[RecvRequest]] = {}
+        self._unexpected: dict[int, deque[torch.Tensor]] = {}
+        self._header = memoryview(bytearray(HEADER.size))
+        self._send_cond = threading.Condition()
+        self._send_queue: deque = deque()
+        self._writing = False
+        self._recv_queue: deque[RecvRequest] = deque()
+        self._threads: dict[str, threading.Thread] = {}
+
+    # --- errors -------------------------------------------------------------------------
+
+    def _error(self, op: str, direction: str, reason: str, timeout: bool = False) -> DistError:
+        cls = DistTimeoutError if timeout else DistError
+        return cls(describe(self.rank, op, direction, self.peer, reason), rank=self.rank,
+                   peer=self.peer, op=op)
+
+    def _check_alive(self, op: str, direction: str) -> None:
+        if self.dead is not None:
+            raise self._error(op, direction, self.dead)
+
+    def fail(self, reason: str) -> None:
+        """Mark the connection dead: every pending and later operation raises with `reason`."""
+        with self._cond:
+            if self.dead is not None:
+                return
+            self.dead = reason
+            for queue in self._posted.values():
+                for req in queue:
+                    req._complete(self._error(req.op, "recv from", reason))
+            self._posted.clear()
+            self._cond.notify_all()
+        with self._send_cond:
+            for work, *_ in self._send_queue:
+                work._finish(self._error(work._what[1], "send to", reason))
+            self._send_queue.clear()
+            self._send_cond.notify_all()
+        try:
+            self._rsock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on this socket
+        except OSError:
+            pass
+
+    def _fatal(self, op: str, direction: str, reason: str) -> None:
+        """A broken connection poisons the whole group (peers are told, see Transport.abort)."""
+        if self.dead is None:
+            self.fail(reason)
+            self._on_fatal(self.peer, describe(self.rank, op, direction, self.peer, reason))
+
+    # --- sending ------------------------------------------------------------------------
+
+    def isend(self, tensor: torch.Tensor, tag: int, op: str, deadline: float,
+              blocking: bool = False) -> Work:
+        """Send `tensor` in order after earlier sends; small (or blocking) ones on this thread."""
+        tensor = tensor.detach().contiguous()
+        header, view = encode_header(tag, tensor), byte_view(tensor)
+        work = Work(deadline, (self.rank, op, "send to", self.peer))
+        with self._send_cond:
+            self._check_alive(op, "send to")
+            if self._send_queue or self._writing or not (blocking or len(view) <= EAGER_BYTES):
+                self._send_queue.append((work, header, view, tensor))
+                self._send_cond.notify_all()
+                self._ensure_thread("sender", self._sender_loop)
+                return work
+            self._writing = True
+        try:
+            self._write(work, header, view)
+        finally:
+            with self._send_cond:
+                self._writing = False
+                self._send_cond.notify_all()
+        return work
+
+    def _write(self, work: Work, header: bytes, view: memoryview) -> None:
+        op = work._what[1]
+        try:
+            send_frame(self._wsock, header, view, work.deadline)
+        except WireTimeout:
+            # Part of a frame may be out: the stream is no longer in step, so the link is dead.
+            reason = f"timed out after {self.timeout:g}s (the peer is not receiving)"
+            self._fatal(op, "send to", reason)
+            work._finish(self._error(op, "send to", reason, timeout=True))
+        except OSError as exc:
+            reason = self.dead or f"connection lost ({exc.strerror or exc})"
+            self._fatal(op, "send to", reason)
+            work._finish(self._error(op, "send to", reason))
+        else:
+            work._finish()
+
+    def _sender_loop(self) -> None:
+        while True:
+            with self._send_cond:
+                while (not self._send_queue or self._writing) and self.dead is None:
+                    self._send_cond.wait()
+                if self.dead is not None:
+                    return
+                work, header, view, _ = self._send_queue.popleft()
+                self._writing = True
+            try:
+                self._write(work, header, view)
+            finally:
+                with self._send_cond:
+                    self._writing = False
+                    self._send_cond.notify_all()
+
+    def send_abort(self, reason: str) -> None:
+        """Best effort: tell the peer the group is dead, unless a send is stuck mid-frame."""
+        payload = torch.tensor(list(reason.encode()[:4096]), dtype=torch.uint8)
+        header = bytearray(encode_header(0, payload))
+        header[4:12] = ABORT_TAG.to_bytes(8, "little", signed=True)
+        with self._send_cond:
+            if self.dead is not None or not self._send_cond.wait_for(
+                    lambda: not self._writing, timeout=0.5):
+                return
+            self._writing = True
+        try:
+            send_frame(self._wsock, bytes(header), byte_view(payload), time.monotonic() + 1.0)
+        except (OSError, WireTimeout):
+            pass
+        finally:
+            with self._send_cond:
+                self._writing = False
+
+    # --- receiving ----------------------------------------------------------------------
+
+    def post(self, tensor: torch.Tensor, tag: int, op: str, deadline: float) -> RecvRequest:
+        """Register a receive; it completes at once if the message is already here."""
+        req = RecvRequest(self, tensor, tag, op, deadline)
+        with self._cond:
+            self._check_alive(op, "recv from")
+            waiting = self._unexpected.get(tag)
+            if waiting:
+                msg = waiting.popleft()
+                if not waiting:
+                    del self._unexpected[tag]
+                self._deliver(req, msg)
+            else:
+                self._posted.setdefault(tag, deque()).append(req)
+        return req
+
+    def irecv(self, tensor: torch.Tensor, tag: int, op: str, deadline: float) -> RecvRequest:
+        """Post a receive that a background thread drives while the caller does other work."""
+        req = self.post(tensor, tag, op, deadline)
+        if not req.is_completed():
+            with self._cond:
+                self._recv_queue.append(req)
+                self._cond.notify_all()
+                self._ensure_thread("receiver", self._receiver_loop)
+        return req
+
+    def recv(self, tensor: torch.Tensor, tag: int, op: str, deadline: float) -> None:
+        """Blocking receive on the caller's thread."""
+        self.progress(self.post(tensor, tag, op, deadline), deadline)
+
+    def _receiver_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._recv_queue and self.dead is None:
+                    self._cond.wait()
+                if self.dead is not None:
+                    return
+                req = self._recv_queue.popleft()
+            try:
+                self.progress(req, req.deadline)
+            except DistError:
+                pass  # the request holds the error for whoever waits on it
+
+    def _deliver(self, req: RecvRequest, msg: torch.Tensor) -> None:
+        """Complete `req` with a message that was buffered before it was posted."""
+        error = self._mismatch(req, msg.dtype, tuple(msg.shape), req.tag)
+        if error is None:
+            req.buffer.copy_(msg)
+        req._complete(error)
+
+    def _mismatch(self, req: RecvRequest, dtype: torch.dtype, shape: tuple,
+                  tag: int) -> DistError | None:
+        if req.buffer.dtype == dtype and tuple(req.buffer.shape) == shape:
+            return None
+        return self._error(req.op, "recv from", (
+            f"message mismatch (tag {tag}): rank {self.peer} sent {dtype} {list(shape)}, "
+            f"rank {self.rank} expects {req.buffer.dtype} {list(req.buffer.shape)}"))
+
+    def progress(self, req: RecvRequest, deadline: float) -> None:
+        """Read messages until `req` is complete (another thread may complete it for us)."""
+        while True:
+            with self._cond:
+                while self._reading and req.state != DONE:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and req.state == POSTED:
+                        self._expire(req)
+                        break
+                    self._cond.wait(remaining if remaining > 0 else 0.05)
+                if req.state == DONE:
+                    break
+                self._reading = True
+            try:
+                self._read_one(req, deadline)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+        if req._error is not None:
+            raise req._error
+
+    def _expire(self, req: RecvRequest) -> None:
+        self._posted[req.tag].remove(req)
+        if not self._posted[req.tag]:
+            del self._posted[req.tag]
+        req._complete(self._error(req.op, "recv from", f"timed out after {self.timeout:g}s",
+                                  timeout=True))
+
+    def _read_one(self, req: RecvRequest, deadline: float) -> None:
+        """Read one frame and hand it to its receive (or buffer it); a broken stream is fatal."""
+        op, target = req.op, None
+        try:
+            try:
+                recv_exact(self._rsock, self._header, deadline)
+            except WireTimeout as exc:
+                if exc.received:
+                    raise
+                with self._cond:
+                    if req.state == POSTED:
+                        self._expire(req)
+                return
+            tag, dtype, shape, nbytes = decode_header(self._header)
+            # The sender has started this frame: allow it a full timeout to finish.
+            payload_deadline = max(deadline, time.monotonic() + self.timeout)
+            if tag == ABORT_TAG:
+                text = bytearray(nbytes)
+                recv_exact(self._rsock, memoryview(text), payload_deadline)
+                return self._fatal(op, "recv from", "group aborted: " +
+                                   text.decode("utf-8", "replace"))
+            with self._cond:
+                target = self._pop(tag)
+                if target is not None:
+                    target.state = FILLING
+            if target is None:
+                msg = torch.empty(shape, dtype=dtype)
+                recv_exact(self._rsock, byte_view(msg), payload_deadline)
+                with self._cond:
+                    late = self._pop(tag)
+                    if late is not None:
+                        self._deliver(late, msg)
+                    else:
+                        self._unexpected.setdefault(tag, deque()).append(msg)
+                return
+            error = self._mismatch(target, dtype, shape, tag)
+            if error is None:
+                recv_exact(self._rsock, target.view, payload_deadline)
+            else:
+                self._drain(nbytes, payload_deadline)
+            with self._cond:
+                target._complete(error)
+        except WireTimeout:
+            self._fatal(op, "recv from", "timed out in the middle of a message")
+        except PeerClosed as exc:
+            self._fatal(op, "recv from", self.dead or str(exc))
+        except ProtocolError as exc:
+            log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
+                        self.rank, self.peer, exc)
+            self._fatal(op, "recv from", f"malformed frame ({exc})")
+        except OSError as exc:
+            self._fatal(op, "recv from", self.dead or f"connection lost ({exc.strerror or exc})")
+        if target is not None and target.state != DONE:  # it was being filled when the link died
+            with self._cond:
+                target._complete(self._error(target.op, "recv from", self.dead or "link lost"))
+
+    def _pop(self, tag: int) -> RecvRequest | None:
+        """The oldest receive posted for `tag`, taken off the list (None if there is none)."""
+        queue = self._posted.get(tag)
+        if not queue:
+            return None
+        req = queue.popleft()
+        if not queue:
+            del self._posted[tag]
+        return req
+    def _drain(self, nbytes: int, deadline: float) -> None:
+        """Read and drop a payload nobody can take, so the stream stays in step."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            recv_exact(self._rsock, scratch[:n], deadline)
+            nbytes -= n
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def _ensure_thread(self, name: str, target: Callable[[], None]) -> None:
+        if name not in self._threads:
+            t = threading.Thread(target=target, name=f"dist-{name}-{self.rank}-{self.peer}",
+                                 daemon=True)
+            self._threads[name] = t
+            t.start()
+
+    def close(self) -> None:
+        """Close the connection and let the background threads end."""
+        self.fail("process group destroyed")
+        for t in self._threads.values():
+            t.join(1.0)
+        for s in (self._rsock, self._wsock):
+            try:
+                s.close()
+            except OSError:
+                pass

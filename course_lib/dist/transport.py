@@ -1,0 +1,165 @@
+"""The mesh of connections: a listening socket per rank, one authenticated link per pair.
+
+Lower ranks connect to higher ones; every connection proves the cluster secret both ways
+(`wire.client_handshake` / `wire.server_handshake`) before it becomes a `Peer`. Anything else
+that reaches the listener is logged and closed, and the listener keeps accepting.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable
+
+from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError
+from course_lib.dist.peer import Peer
+from course_lib.dist.wire import client_handshake, server_handshake
+
+log = logging.getLogger("course_lib.dist")
+HANDSHAKE_TIMEOUT = 10.0  # an intruder that sends nothing holds one handshake thread this long
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class Listener:
+    """This rank's listening socket (opened by `dist.listen` before the addresses are shared)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(128)
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self, secret: bytes, rank: int, world_size: int, timeout: float,
+              on_peer: Callable[[int, socket.socket], None]) -> None:
+        """Accept in a background thread; each connection is authenticated in its own thread."""
+        def handshake(conn: socket.socket, addr) -> None:
+            try:
+                conn.settimeout(None)
+                deadline = time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT)
+                peer = server_handshake(conn, secret, rank, world_size, deadline)
+            except (ProtocolError, OSError) as exc:
+                log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2],
+                            exc or type(exc).__name__)
+                conn.close()
+                return
+            on_peer(peer, _tune(conn))
+
+        def accept_loop() -> None:
+            while not self._closed:
+                try:
+                    conn, addr = self.sock.accept()
+                except OSError:
+                    if self._closed:
+                        return
+                    time.sleep(0.01)
+                    continue
+                threading.Thread(target=handshake, args=(conn, addr), daemon=True,
+                                 name=f"dist-handshake-{rank}").start()
+
+        self._thread = threading.Thread(target=accept_loop, daemon=True,
+                                        name=f"dist-listener-{rank}")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        self.sock.close()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+
+def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
+    """Connect, retrying while the peer's listener is not up yet."""
+    while True:
+        try:
+            return socket.create_connection(tuple(address),
+                                            timeout=max(0.01, deadline - time.monotonic()))
+        except (ConnectionRefusedError, socket.timeout):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
+class Transport:
+    """All of this rank's peers; a fatal error on one link aborts the whole group."""
+
+    def __init__(self, rank: int, world_size: int, addresses: list, secret: bytes,
+                 timeout: float, listener: Listener):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.listener = listener
+        self.peers: dict[int, Peer] = {}
+        self.aborted: str | None = None
+        self._cond = threading.Condition()
+        self._ready = False
+        listener.start(secret, rank, world_size, timeout, self._accepted)
+        deadline = time.monotonic() + timeout
+        try:
+            for peer in range(rank + 1, world_size):
+                try:
+                    sock = _connect(addresses[peer], deadline)
+                    client_handshake(sock, secret, rank, peer, deadline)
+                except (OSError, ProtocolError) as exc:
+                    raise DistError(f"rank {rank}: init_process_group connect to rank {peer} at "
+                                    f"{addresses[peer]} failed: {exc or type(exc).__name__}",
+                                    rank=rank, peer=peer, op="init_process_group") from None
+                self._add(peer, _tune(sock))
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self.peers) == world_size - 1,
+                                           max(0.0, deadline - time.monotonic())):
+                    missing = sorted(set(range(world_size)) - set(self.peers) - {rank})
+                    raise DistTimeoutError(
+                        f"rank {rank}: init_process_group failed: timed out after {timeout:g}s "
+                        f"waiting for rank(s) {missing} to connect", rank=rank,
+                        peer=missing[0], op="init_process_group")
+                self._ready = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, peer: int, sock: socket.socket) -> None:
+        with self._cond:
+            self.peers[peer] = Peer(self.rank, peer, sock, self.timeout, self.abort)
+            self._cond.notify_all()
+
+    def _accepted(self, peer: int, sock: socket.socket) -> None:
+        """A connection that passed the handshake: keep it if it is one we are waiting for."""
+        with self._cond:
+            expected = not self._ready and peer < self.rank and peer not in self.peers
+        if not expected:
+            log.warning("rank %d: rejected an authenticated but unexpected connection claiming "
+                        "rank %d", self.rank, peer)
+            sock.close()
+            return
+        self._add(peer, sock)
+
+    def peer(self, rank: int) -> Peer:
+        return self.peers[rank]
+
+    def abort(self, origin: int, message: str) -> None:
+        """Link to `origin` broke: tell every other peer the group is dead, then fail them."""
+        with self._cond:
+            if self.aborted is not None:
+                return
+            self.aborted = message
+        others = [p for r, p in self.peers.items() if r != origin and p.dead is None]
+        for p in others:
+            p.send_abort(message)
+        for p in others:
+            p.fail(f"group aborted: {message}")
+
+    def close(self) -> None:
+        self.listener.close()
+        for p in list(self.peers.values()):
+            p.close()
