@@ -125,6 +125,15 @@ def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: floa
 
 # Step 4: DistributedDataParallel, buckets reduced from autograd hooks during backward.
 
+def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
+    """The buckets that may start now: the run of complete buckets from `next_bucket` on.
+    Launching strictly in bucket order makes every rank issue the same collectives in order."""
+    end = next_bucket
+    while end < len(complete) and complete[end]:
+        end += 1
+    return list(range(next_bucket, end))
+
+
 class _Bucket:
     """Parameters whose gradients travel together in one flat buffer and one all_reduce."""
 
@@ -242,12 +251,10 @@ class DistributedDataParallel(nn.Module):
                                "its gradient twice in one backward (reentrant backward or "
                                "checkpointing is not supported)")
         bucket.ready.add(id(p))
-        # Launch strictly in bucket order so every rank issues the same collectives in order.
-        while (self._next_bucket < len(self.buckets)
-               and len(self.buckets[self._next_bucket].ready)
-               == len(self.buckets[self._next_bucket].params)):
-            self._launch(self.buckets[self._next_bucket])
-            self._next_bucket += 1
+        complete = [len(b.ready) == len(b.params) for b in self.buckets]
+        for i in buckets_to_launch(self._next_bucket, complete):
+            self._launch(self.buckets[i])
+            self._next_bucket = i + 1
 
     def _launch(self, bucket: _Bucket) -> None:
         with torch.no_grad():

@@ -213,3 +213,92 @@ def check_parity(results: list[dict], world: int, with_torch: bool) -> None:
 def test_ddp_parity_gloo(world):
     results = spawn(ddp_worker, world, True, backend="gloo", timeout=120)
     check_parity(results, world, with_torch=True)
+
+
+class RecordingDist:
+    """A one-rank `dist`-like object that records each all_reduce (no process group needed)."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def get_world_size(self, group=None):
+        return 1
+
+    def get_rank(self, group=None):
+        return 0
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        return None
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self.calls.append(tensor.numel())
+        return _Done() if async_op else None
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class Backwards(nn.Module):
+    """Uses its layers in the reverse of registration order, so gradients arrive first-to-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(2, 1), nn.Linear(3, 2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(self.b(self.c(x)))
+
+
+def test_make_buckets_reverse_order_caps_and_dtypes():
+    from course_lib.ddp import MiB, make_buckets
+
+    params = [torch.zeros(MiB // 4 // 2) for _ in range(5)]  # 0.5 MiB each in float32
+    names = {id(p): i for i, p in enumerate(params)}
+    got = [[names[id(p)] for p in b] for b in make_buckets(params, 1.0, first_bucket_cap_mb=0.5)]
+    assert got == [[4], [3, 2], [1, 0]]
+    assert len(make_buckets(params, 25.0)) == 2  # 1 MiB first bucket, then the rest
+    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.float64), torch.zeros(3)]
+    assert [len(b) for b in make_buckets(mixed, 25.0)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="positive"):
+        make_buckets(params, 0)
+
+
+def test_buckets_launch_in_bucket_order_whatever_order_gradients_arrive():
+    from course_lib.ddp import DistributedDataParallel, buckets_to_launch
+
+    assert buckets_to_launch(0, [False, True, True]) == []
+    assert buckets_to_launch(0, [True, False, True]) == [0]
+    assert buckets_to_launch(1, [True, True, True]) == [1, 2]
+    torch.manual_seed(0)
+    model = Backwards()
+    rec = RecordingDist()
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6,
+                                      dist=rec)
+    assert [b.params for b in wrapped.buckets] == [[p] for p in reversed(list(model.parameters()))]
+    rec.calls.clear()
+    wrapped(torch.randn(2, 4)).sum().backward()
+    # Bucket 0 holds c.bias (registered last), whose gradient arrives last here: launching as
+    # buckets complete would start with a's; in bucket order it is c.bias, c.weight, b..., a...
+    assert rec.calls == [3, 12, 2, 6, 1, 2]
+    names = [n for n, _, _ in wrapped.timeline]
+    assert names[:2] == ["forward", "backward"] and names[-1] == "wait"
+    assert names.count("bucket 0") == 1 and len(names) == 3 + len(wrapped.buckets)
+    assert wrapped.exposed_comm_seconds() >= 0
+
+
+def test_no_sync_skips_communication_and_bad_models_fail_clearly():
+    from course_lib.ddp import DistributedDataParallel
+
+    rec = RecordingDist()
+    wrapped = DistributedDataParallel(nn.Linear(3, 1), dist=rec)
+    rec.calls.clear()
+    with wrapped.no_sync():
+        wrapped(torch.ones(1, 3)).sum().backward()
+    assert rec.calls == []
+    wrapped(torch.ones(1, 3)).sum().backward()
+    assert rec.calls == [4]
+    frozen = nn.Linear(3, 1).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        DistributedDataParallel(frozen, dist=rec)
