@@ -223,7 +223,7 @@ class Cluster:
 
         if self.engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
             os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-        kwargs = dict(n=self.world_size, engines=self.engines, log_level=logging.WARNING,
+        kwargs = dict(n=self.world_size, engines=self.engines, log_level=logging.ERROR,
                       cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True)
         if self.engines == "local":
             kwargs["controller_ip"] = "127.0.0.1"
@@ -278,6 +278,7 @@ class Cluster:
         me = psutil.Process()
         watch = dict(client_pid=me.pid, client_created=me.create_time(), pids=self._procs)
         self._view = self._client.direct_view(self._ids)
+        self._view.block = True  # `%%px` waits for its cell and shows the output
         self._view.use_cloudpickle()
         futures = [self._client[eid].apply_async(
                        _engine_setup, rank, self.world_size, self.backend,

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""The course's entry point, standard library only: `python3 course.py lab` or `... test`.
+
+Each command first makes sure `.venv` holds the pinned dependencies (constraints.txt), so a
+fresh machine with only Python 3.11+ needs nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / ("python.exe" if os.name == "nt" else "python")
+STAMP = VENV / ".course-installed"
+DEPENDENCY_FILES = ("pyproject.toml", "constraints.txt")
+
+
+def run(*cmd: object, env: dict | None = None) -> int:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+
+
+def dependency_hash() -> str:
+    h = hashlib.sha256()
+    for name in DEPENDENCY_FILES:
+        h.update((ROOT / name).read_bytes())
+    return h.hexdigest()
+
+
+def ensure_env() -> None:
+    """Create .venv and install the pinned dependencies, unless they are already current."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"course_lib needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    wanted = dependency_hash()
+    if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
+        return
+    if not PY.exists() and run(sys.executable, "-m", "venv", VENV) != 0:
+        sys.exit("could not create .venv (on Debian/Ubuntu: apt install python3-venv)")
+    steps = [(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip"),
+             (PY, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e", ".[mpi,dev]")]
+    for step in steps:
+        if run(*step) != 0:
+            sys.exit("installing the dependencies failed (see pip's message above)")
+    STAMP.write_text(wanted)
+
+
+def main(argv: list[str]) -> int:
+    commands = {
+        "lab": "install, then open the course in JupyterLab",
+        "test": "install, then run the whole test suite (extra args go to pytest)",
+        "build": "regenerate exported modules and the student notebooks (--check: verify only)",
+        "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
+    }
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        for name, what in commands.items():
+            print(f"  python3 course.py {name:6} {what}")
+        return 2
+    command, rest = argv[0], argv[1:]
+    ensure_env()
+    env = dict(os.environ, IPP_NONINTERACTIVE="1")
+    if command == "lab":
+        return run(BIN / "jupyter", "lab", "notebooks/", *rest)
+    if command == "test":
+        return run(PY, "-m", "pytest", "tests", "solutions", "--nbval", *rest, env=env)
+    if command == "build":
+        return run(PY, "-m", "course_lib.build", *rest)
+    return run(PY, "-m", "course_lib.bench", *rest, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
