@@ -68,8 +68,8 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.epoch = epoch
 
 
-def shard_indices(n: int, num_replicas: int, rank: int, *, shuffle: bool, seed: int,
-                  drop_last: bool) -> list[int]:
+def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
+                  drop_last: bool = False) -> list[int]:
     """The indices rank `rank` reads from a dataset of `n` samples (the sampler's core)."""
     if shuffle:
         g = torch.Generator()
