@@ -214,3 +214,22 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(TypeError, match="needs a function"):
         cl.Cluster.run(c, 42)
 
+
+
+def mpi_rank_and_sum():
+    import numpy as np
+    from mpi4py import MPI
+    from course_lib.cluster import get_rank
+
+    buf = np.array([float(get_rank() + 1)])
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf)
+    return MPI.COMM_WORLD.Get_rank(), get_rank(), float(buf[0])
+
+
+@pytest.mark.mpi
+def test_mpi_engines_under_the_wheels_mpiexec():
+    pytest.importorskip("mpi4py")
+    with cl.start(2, engines="mpi", backend="mpi") as c:
+        assert c.run(mpi_rank_and_sum) == [(0, 0, 3.0), (1, 1, 3.0)]
+        pids = [pid for pid, _ in c._procs]
+    assert not wait_gone(pids, 10)
