@@ -190,7 +190,11 @@ class PipelineSchedule:
         self.events, self._live, self._live_bytes = [], 0, 0
         self.peak_live = self.peak_activation_bytes = 0
         self._params = {p.data_ptr() for p in st.submodule.parameters()}
-        for action, mb in self.order():
+        actions = self.order()
+        if sorted(actions) != sorted([(a, i) for a in "BF" for i in range(m)]):
+            raise ValueError(f"stage {st.stage_index}: order() must run F and B of each of the "
+                             f"{m} micro-batches once, got {actions}")
+        for action, mb in actions:
             (self._forward if action == "F" else self._backward)(mb)
         for work in self._works:
             work.wait()
@@ -238,6 +242,9 @@ class PipelineSchedule:
 
     def _backward(self, mb: int) -> None:
         st = self.stage
+        if mb not in self._stash:
+            raise RuntimeError(f"stage {st.stage_index}: backward of micro-batch {mb} before "
+                               "its forward")
         x, out, nbytes = self._stash.pop(mb)
         grad = None if st.is_last else st.recv(st.next, GRADIENT_TAG, mb)
         start = time.perf_counter()
@@ -249,25 +256,38 @@ class PipelineSchedule:
             self._works += st.send(x.grad, st.prev, GRADIENT_TAG, mb)
 
 
+def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[tuple[str, int]]:
+    """GPipe: all forwards, then all backwards, in micro-batch order on every stage."""
+    m = n_microbatches
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def one_f_one_b_order(n_microbatches: int, num_stages: int,
+                      stage_index: int) -> list[tuple[str, int]]:
+    """1F1B: warm up with (p - 1 - stage) forwards, then alternate one forward and one backward,
+    then drain the remaining backwards."""
+    m = n_microbatches
+    warmup = min(num_stages - 1 - stage_index, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(m - warmup, m)]
+
+
 class ScheduleGPipe(PipelineSchedule):
     """All m forwards, then all m backwards: simple, but every stage keeps m activations."""
 
     def order(self) -> list[tuple[str, int]]:
-        m = self.n_microbatches
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return gpipe_order(self.n_microbatches, self.stage.num_stages, self.stage.stage_index)
 
 
 class Schedule1F1B(PipelineSchedule):
-    """Warm up with (p - 1 - stage) forwards, then alternate one forward and one backward, then
-    drain: the same bubble as GPipe, but at most p micro-batches stored per stage."""
+    """One forward, one backward once the pipeline is full: the same bubble as GPipe, but at
+    most p micro-batches stored per stage."""
 
     def order(self) -> list[tuple[str, int]]:
-        m, st = self.n_microbatches, self.stage
-        warmup = min(st.num_stages - 1 - st.stage_index, m)
-        actions = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [("F", warmup + i), ("B", i)]
-        return actions + [("B", i) for i in range(m - warmup, m)]
+        return one_f_one_b_order(self.n_microbatches, self.stage.num_stages,
+                                 self.stage.stage_index)
 
 
 def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
