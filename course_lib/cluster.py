@@ -24,7 +24,7 @@ from typing import Any, Callable
 import psutil
 
 BACKENDS = ("scratch", "gloo", "mpi", "none")
-DEFAULT_BACKEND = "gloo"
+DEFAULT_BACKEND = "scratch"
 POLL_SECONDS = 0.05
 INTERRUPT_GRACE = 3.0  # seconds a rank gets to unwind after SIGINT before its engines restart
 
@@ -105,7 +105,9 @@ def _watch_client(client_pid: int, client_created: float, pids: list) -> None:
 
 def _engine_listen(host: str) -> tuple[str, int]:
     from course_lib import dist
+    from course_lib.spawn import shutdown_backend
 
+    shutdown_backend("scratch")  # a rebuild: close the old group before opening a new socket
     return dist.listen(host)
 
 

@@ -233,3 +233,27 @@ def test_mpi_engines_under_the_wheels_mpiexec():
         assert c.run(mpi_rank_and_sum) == [(0, 0, 3.0), (1, 1, 3.0)]
         pids = [pid for pid, _ in c._procs]
     assert not wait_gone(pids, 10)
+
+
+def scratch_sum_skipping(rank_to_hang):
+    import time
+    import torch
+    from course_lib import dist
+
+    if dist.get_rank() == rank_to_hang:
+        time.sleep(3600)
+    t = torch.full((5,), float(dist.get_rank()))
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_scratch_is_the_default_and_its_collective_hang_is_interruptible():
+    with cl.start(3) as c:
+        assert c.backend == "scratch"
+        assert c.run(scratch_sum_skipping, -1) == [[3.0] * 5] * 3
+        pids = list(c.pids)
+        with pytest.raises(RankTimeout) as info:
+            c.run(scratch_sum_skipping, 1, timeout=3)
+        assert "interrupted and the process group rebuilt" in str(info.value)
+        assert c.pids == pids  # no restart was needed: our waits are interruptible
+        assert c.run(scratch_sum_skipping, -1) == [[3.0] * 5] * 3
