@@ -23,6 +23,8 @@ VARIANTS = {
     "ddp/scratch": ("ddp", "scratch"),
     "per_param/scratch": ("per_param", "scratch"),
     "per_param/gloo": ("per_param", "gloo"),
+    "flat/scratch": ("flat", "scratch"),
+    "flat/gloo": ("flat", "gloo"),
     "bucketed/scratch": ("bucketed", "scratch"),
     "bucketed/gloo": ("bucketed", "gloo"),
 }
@@ -52,13 +54,15 @@ def make_mlp(hidden: int, layers: int, seed: int = 0):
     return nn.Sequential(*mods[:-1])
 
 
-def _step_fn(impl: str, backend: str | None, args: dict, dists: dict):
-    """Build one variant's model and return (step(), exposed_wait() or None)."""
+def make_step(name: str, args: dict, dists: dict):
+    """Build variant `name`'s model; return (step(), exposed_wait() or None). `dists` maps a
+    backend name to its `dist` module (and "rank" to this rank)."""
     import torch
     from torch import nn
 
     from course_lib import ddp
 
+    impl, backend = VARIANTS[name]
     model = make_mlp(args["hidden"], args["layers"])
     dist = dists.get(backend)
     if impl == "torch_ddp":
@@ -67,6 +71,7 @@ def _step_fn(impl: str, backend: str | None, args: dict, dists: dict):
         model = ddp.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"], dist=dist)
     params = [p for p in model.parameters()]
     sync = {"per_param": lambda: ddp.allreduce_grads_per_param(params, dist=dist),
+            "flat": lambda: ddp.allreduce_grads_flat(params, dist=dist),
             "bucketed": lambda: ddp.allreduce_grads_bucketed(params, args["bucket_mb"],
                                                              dist=dist)}.get(impl)
     opt = torch.optim.SGD(params, lr=1e-3)
@@ -86,26 +91,16 @@ def _step_fn(impl: str, backend: str | None, args: dict, dists: dict):
     return step, waited
 
 
-def _worker(rank: int, world: int, args: dict, names: list[str], gloo_port: int,
-            backend: str) -> dict:
-    import torch.distributed as tdist
-
-    from course_lib.spawn import init_backend
-
-    dists: dict[Any, Any] = {"rank": rank}
-    if backend == "scratch":  # spawn set up scratch; add gloo so both run in the same processes
-        from course_lib import dist as scratch
-
-        init_backend("gloo", rank, world, timeout=args["timeout"], gloo_port=gloo_port)
-        dists["scratch"] = scratch
-    dists["gloo"] = tdist
-    steps = {n: _step_fn(*VARIANTS[n], args, dists) for n in names}
+def measure(names: list[str], args: dict, dists: dict) -> dict:
+    """Time every variant, interleaved iteration by iteration, on this rank."""
+    barrier = (dists.get("gloo") or dists["scratch"]).barrier
+    steps = {n: make_step(n, args, dists) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     waits: dict[str, list[float]] = {n: [] for n in names}
     for it in range(args["warmup"] + args["iters"]):
         for n in names:
             step, waited = steps[n]
-            tdist.barrier()
+            barrier()
             t0 = time.perf_counter()
             step()
             t = time.perf_counter() - t0
@@ -116,27 +111,31 @@ def _worker(rank: int, world: int, args: dict, names: list[str], gloo_port: int,
     return {"times": times, "waits": waits}
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    from course_lib.ddp import MiB
-    from course_lib.spawn import free_port, spawn
+def _worker(rank: int, world: int, args: dict, names: list[str], gloo_port: int,
+            backend: str) -> dict:
+    import torch.distributed as tdist
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    if "local" not in names:
-        names.insert(0, "local")
-    backend = "scratch" if any(VARIANTS[n][1] == "scratch" for n in names) else "gloo"
-    conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "bucket_mb", "iters",
-                                           "warmup", "timeout")}
-    results = spawn(_worker, args.world, conf, names, free_port(), backend, backend=backend,
-                    timeout=args.timeout)
-    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
+    from course_lib.spawn import init_backend
+
+    dists: dict[Any, Any] = {"rank": rank, "gloo": tdist}
+    if backend == "scratch":  # spawn set up scratch; add gloo so both run in the same processes
+        from course_lib import dist as scratch
+
+        init_backend("gloo", rank, world, timeout=args["timeout"], gloo_port=gloo_port)
+        dists["scratch"] = scratch
+    return measure(names, args, dists)
+
+
+def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
+    """One row per variant from every rank's `measure` results (slowest rank, median)."""
+    from course_lib.ddp import MiB
+
+    n_params = args["layers"] * (args["hidden"] * args["hidden"] + args["hidden"])
     rows = []
     for n in names:
         per_iter = slowest_rank([r["times"][n] for r in results])
-        rows.append({"variant": n, "world": args.world, "params": n_params,
-                     "grad_mib": n_params * 4 / MiB, "bucket_mb": args.bucket_mb,
+        rows.append({"variant": n, "world": len(results), "params": n_params,
+                     "grad_mib": n_params * 4 / MiB, "bucket_mb": args["bucket_mb"],
                      "iter_ms": 1e3 * median(per_iter)})
         waits = [r["waits"][n] for r in results]
         rows[-1]["ddp_wait_ms"] = 1e3 * median(slowest_rank(waits)) if waits[0] else None
@@ -150,11 +149,27 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """Iteration time per variant, split into compute (the local step) and exposed comm."""
-    import matplotlib
+def run(args: argparse.Namespace) -> list[dict]:
+    from course_lib.spawn import free_port, spawn
 
-    matplotlib.use("Agg")
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if "local" in names:
+        names.remove("local")
+    names.insert(0, "local")  # the baseline comes first: summarize() measures against it
+    backend = "scratch" if any(VARIANTS[n][1] == "scratch" for n in names) else "gloo"
+    conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "bucket_mb", "iters",
+                                           "warmup", "timeout")}
+    results = spawn(_worker, args.world, conf, names, free_port(), backend, backend=backend,
+                    timeout=args.timeout)
+    return summarize(results, names, conf)
+
+
+def plot(rows: list[dict], path: str | None = None) -> Any:
+    """Iteration time per variant, split into compute (the local step) and exposed comm;
+    saved to `path`, or returned as a figure (in a notebook)."""
     import matplotlib.pyplot as plt
 
     names = [r["variant"] for r in rows]
@@ -169,5 +184,8 @@ def plot(rows: list[dict], path: str) -> None:
                  f"gradients, bucket {rows[0]['bucket_mb']:g} MiB")
     ax.legend(loc="lower right")
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return None
