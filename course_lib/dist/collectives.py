@@ -74,7 +74,8 @@ def _write_back(t: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def _segments(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return flat.split(max(1, SEGMENT_BYTES // flat.element_size()))
+    seg = max(1, SEGMENT_BYTES // flat.element_size())
+    return (flat,) if flat.numel() <= seg else flat.split(seg)
 
 
 def _wait(works: Sequence[Work]) -> None:

@@ -33,11 +33,14 @@ def seconds(timeout: float | timedelta) -> float:
 class Work:
     """An operation in flight; `wait()` blocks until it is done, bounded by its deadline."""
 
-    def __init__(self, deadline: float, what: tuple[int, str, str, int | None]):
+    def __init__(self, deadline: float, what: tuple[int, str, str, int | None],
+                 done: bool = False, error: BaseException | None = None):
         self.deadline = deadline
         self._what = what  # (rank, op, direction, peer) for error messages
         self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._error = error
+        if done:
+            self._done.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error

@@ -98,7 +98,7 @@ class Transport:
     def __init__(self, rank: int, world_size: int, addresses: list, secret: bytes,
                  timeout: float, listener: Listener):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.listener = listener
+        self.listener, self.addresses = listener, [tuple(a) for a in addresses]
         self.peers: dict[int, Peer] = {}
         self.aborted: str | None = None
         self._cond = threading.Condition()

@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import time
+import weakref
 from hashlib import sha256
 
 import torch
@@ -79,45 +80,53 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _set_timeout(sock: socket.socket, option: int, deadline: float) -> float:
-    """Arm the kernel's SO_RCVTIMEO/SO_SNDTIMEO with the time left; WireTimeout if none is."""
+_armed: "weakref.WeakKeyDictionary[socket.socket, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def _set_timeout(sock: socket.socket, option: int, deadline: float) -> None:
+    """Arm the kernel's SO_RCVTIMEO/SO_SNDTIMEO so a blocking call ends by `deadline`.
+
+    The syscall is skipped while the armed value is within 10% of the time left (so a wait
+    may end up to 10% early or late; `recv_exact` retries an early expiry).
+    """
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise WireTimeout()
+    armed = _armed.setdefault(sock, {})
+    if 0.9 * remaining <= armed.get(option, -1.0) <= 1.1 * remaining:
+        return
     sec = int(remaining)
     usec = max(int((remaining - sec) * 1e6), 1 if sec == 0 else 0)  # 0 would mean "forever"
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
-    return remaining
+    armed[option] = remaining
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
     """Fill `view` from `sock` (one MSG_WAITALL call when the data flows) or raise."""
     n, got = len(view), 0
     while got < n:
+        _set_timeout(sock, socket.SO_RCVTIMEO, deadline)  # WireTimeout once the deadline is past
         try:
-            _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
-            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        except (BlockingIOError, WireTimeout, TimeoutError):
-            raise WireTimeout(got) from None
+            k = sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError):
+            if time.monotonic() >= deadline:
+                raise WireTimeout(got) from None
+            continue  # the kernel's timeout was armed for an earlier, longer wait
         if k == 0:
             raise PeerClosed("peer closed the connection")
         got += k
 
 
 def send_frame(sock: socket.socket, header: bytes, view: memoryview, deadline: float) -> None:
-    """Send header and payload: one sendmsg for small frames, sendall of the memory for large."""
+    """Send header and payload with one gathering sendmsg (sendall finishes any remainder)."""
     try:
         _set_timeout(sock, socket.SO_SNDTIMEO, deadline)
-        if len(view) <= 65536:
-            sent = sock.sendmsg([header, view])
-            if sent < len(header):
-                sock.sendall(memoryview(header)[sent:])
-                sent = len(header)
-            if sent - len(header) < len(view):
-                sock.sendall(view[sent - len(header):])
-        else:
-            sock.sendall(header)
-            sock.sendall(view)
+        sent = sock.sendmsg([header, view])
+        if sent < len(header):
+            sock.sendall(memoryview(header)[sent:])
+            sent = len(header)
+        if sent - len(header) < len(view):
+            sock.sendall(view[sent - len(header):])
     except (BlockingIOError, TimeoutError):
         raise WireTimeout() from None
 

@@ -1,0 +1,217 @@
+"""all_reduce time and bandwidth: course_lib.dist (scratch) vs gloo vs MPI, side by side.
+
+    python -m course_lib.bench allreduce --world 2 --backends scratch,gloo,mpi \
+        --sizes 4KiB,1MiB,16MiB --algorithms ring,tree --repeats 20 --json out.json --plot out.png
+
+Each backend runs in its own fresh set of processes, once per round, and rounds alternate the
+order of backends and sizes. Per repeat, a barrier lines the ranks up and the operation's time
+is the slowest rank's; a row reports the median over repeats. Every result is checked against
+the exact sum outside the timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p,
+in GB/s (nccl-tests' definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's
+buffer call `comm.Allreduce(MPI.IN_PLACE, array)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from course_lib.bench.common import median, slowest_rank
+
+UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
+         "MB": 10 ** 6, "GB": 10 ** 9}
+DTYPE_BYTES = 4  # float32
+WARMUP = 2
+
+
+def parse_size(text: str) -> int:
+    """'4KiB' -> 4096; a multiple of 4 bytes (float32 elements)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?i?B?)\s*", text, re.IGNORECASE)
+    if not m or m.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4KiB, 1MiB, 16MiB")
+    n = int(m.group(1)) * UNITS[m.group(2).upper()]
+    if n % DTYPE_BYTES:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a whole number of float32s")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--backends", default="scratch,gloo,mpi",
+                        help="comma list of scratch, gloo, mpi")
+    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="comma list of byte sizes")
+    parser.add_argument("--algorithms", default="ring",
+                        help="scratch algorithms, comma list of ring, tree, naive, auto")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh process sets per backend; repeats are spread over them")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process set")
+
+
+# --- inside the ranks -----------------------------------------------------------------------
+
+def _backend_ops(backend: str, algorithm: str):
+    """(barrier, all_reduce(tensor)) for a backend that is already initialized here."""
+    if backend == "scratch":
+        from course_lib import dist
+        return dist.barrier, lambda t: dist.all_reduce(t, algorithm=algorithm)
+    if backend == "gloo":
+        import torch.distributed as tdist
+        return tdist.barrier, tdist.all_reduce
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    return comm.Barrier, lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy())
+
+
+def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
+            repeats: int) -> dict[str, list[float]]:
+    """Per (bytes, algorithm) in `plan`, this rank's time of each repeat; checks each result."""
+    import torch
+
+    times: dict[str, list[float]] = {}
+    expected = float(world * (world + 1) // 2)  # every rank contributes rank + 1: exact in fp32
+    for nbytes, algorithm in plan:
+        barrier, all_reduce = _backend_ops(backend, algorithm)
+        buf = torch.empty(nbytes // DTYPE_BYTES, dtype=torch.float32)
+        row = times.setdefault(f"{nbytes}/{algorithm}", [])
+        for i in range(WARMUP + repeats):
+            buf.fill_(rank + 1)
+            barrier()
+            t0 = time.perf_counter()
+            all_reduce(buf)
+            elapsed = time.perf_counter() - t0
+            if buf.numel() and not (buf.min() == expected and buf.max() == expected):
+                raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_reduce of "
+                                     f"{nbytes} B gave {buf.min()}..{buf.max()}, "
+                                     f"expected {expected}")
+            if i >= WARMUP:
+                row.append(elapsed)
+    return times
+
+
+def _mpi_worker(spec: str) -> None:
+    """Entry point under mpiexec: measure, gather per-rank times on rank 0, print JSON."""
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    cfg = json.loads(spec)
+    comm = MPI.COMM_WORLD
+    times = measure(comm.Get_rank(), comm.Get_size(), "mpi",
+                    [tuple(p) for p in cfg["plan"]], cfg["repeats"])
+    everyone = comm.gather(times, root=0)
+    if comm.Get_rank() == 0:
+        print("BENCH_JSON " + json.dumps(everyone), flush=True)
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+def _run_mpi(world: int, plan: list, repeats: int, timeout: float) -> list[dict]:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    spec = json.dumps({"plan": plan, "repeats": repeats})
+    cmd = [str(mpiexec), "-n", str(world), sys.executable, "-m", "course_lib.bench.allreduce",
+           "--mpi-worker", spec]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, ended by its id
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"mpi: mpiexec did not finish within {timeout:g}s") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"mpi: mpiexec exited with {proc.returncode}:\n{err[-2000:]}")
+    return json.loads(lines[-1][len("BENCH_JSON "):])
+
+
+def _mpi_available() -> str | None:
+    """None if MPI can run here, else why not."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not importable (pip install mpi4py mpich)"
+    if not (Path(sys.executable).parent / "mpiexec").exists():
+        return f"no mpiexec next to {sys.executable}"
+    return None
+
+
+def _run_set(backend: str, world: int, plan: list, repeats: int,
+             timeout: float) -> list[dict]:
+    """One fresh set of `world` processes for `backend`; per-rank {key: times}."""
+    if backend == "mpi":
+        return _run_mpi(world, plan, repeats, timeout)
+    from course_lib.spawn import spawn
+    return spawn(measure, world, backend, plan, repeats, backend=backend, timeout=timeout)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - {"scratch", "gloo", "mpi"}
+    if unknown:
+        raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if "mpi" in backends and (why := _mpi_available()):
+        print(f"note: skipping mpi: {why}", file=sys.stderr)
+        backends.remove("mpi")
+    rounds = max(1, args.rounds)
+    per_round = math.ceil(args.repeats / rounds)
+    collected: dict[tuple[str, str, int], list[float]] = {}
+    for rnd in range(rounds):
+        order = backends[rnd % len(backends):] + backends[:rnd % len(backends)]
+        for backend in order:
+            algs = algorithms if backend == "scratch" else ["default"]
+            plan = [(n, a) for n in sizes for a in algs]
+            if rnd % 2:
+                plan.reverse()
+            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout)
+            for n, a in plan:
+                key = f"{n}/{a}"
+                collected.setdefault((backend, a, n), []).extend(
+                    slowest_rank([r[key] for r in per_rank]))
+    rows = []
+    bus = 2 * (args.world - 1) / args.world
+    for (backend, algorithm, n), secs in sorted(collected.items(),
+                                                key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        t = median(secs)
+        rows.append({"backend": backend, "algorithm": algorithm, "world": args.world,
+                     "bytes": n, "seconds": t, "algbw": n / t / 1e9,
+                     "busbw": n / t / 1e9 * bus, "repeats": len(secs)})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Time vs message size, log-log, one line per backend/algorithm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted({(r["backend"], r["algorithm"]) for r in rows}):
+        pts = sorted((r["bytes"], r["seconds"]) for r in rows
+                     if (r["backend"], r["algorithm"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
+                label=f"{key[0]} ({key[1]})")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (ms)",
+           title=f"all_reduce, world {rows[0]['world']}" if rows else "all_reduce")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--mpi-worker":
+        _mpi_worker(sys.argv[2])
+    else:
+        sys.exit("run it as: python -m course_lib.bench allreduce ...")
