@@ -7,8 +7,12 @@ check cells and the batch grader both look them up here, so a notebook cannot ch
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import pkgutil
 import re
+import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -146,11 +150,32 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
+EXTRA_ENV = "COURSE_LIB_EXERCISES"  # os.pathsep-separated .py files with more exercises
+_EXTRA_LOADED: set[str] = set()
+
+
+def load_exercise_file(path: str | os.PathLike) -> None:
+    """Register the exercises of a .py file outside the package (tests, a private course)."""
+    path = str(Path(path).resolve())
+    if path in _EXTRA_LOADED:
+        return
+    name = "course_lib_exercises_" + re.sub(r"\W", "_", Path(path).stem) + f"_{len(_EXTRA_LOADED)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load exercises from {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that its functions pickle by reference
+    spec.loader.exec_module(module)
+    _EXTRA_LOADED.add(path)
+
+
 def _load_all() -> None:
     from course_lib.grading import exercises
 
     for info in pkgutil.iter_modules(exercises.__path__):
         importlib.import_module(f"{exercises.__name__}.{info.name}")
+    for path in filter(None, os.environ.get(EXTRA_ENV, "").split(os.pathsep)):
+        load_exercise_file(path)
 
 
 def get_exercise(name: str) -> Exercise:

@@ -114,6 +114,8 @@ def _outcome_row(rank: Any, out: dict, expected: Any, ex: Exercise, limit: float
         if out.get("stopped") is False:
             note += "; it is still running in the background: restart the kernel if slow"
         return Row(rank, False, want, "no result", note)
+    if status == "lost":
+        return Row(rank, False, want, "no result", out["note"])
     where = f" ({out['where']})" if out.get("where") else ""
     return Row(rank, False, want, out["error"], f"raised {out['error']}{where}")
 
@@ -143,11 +145,11 @@ def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float
         outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
     except RankTimeout as exc:
         outs = [{"status": "timeout"} if r in exc.failures else
-                {"status": "error", "error": "finished, but other ranks hung"}
+                {"status": "lost", "note": "finished, but other ranks hung"}
                 for r in range(world)]
-    except RankError as exc:
-        outs = [{"status": "error", "error": exc.failures.get(r, "no result (another rank "
-                                                                "failed)")} for r in range(world)]
+    except RankError as exc:  # the call never ran or its result could not come back
+        outs = [{"status": "lost", "note": exc.failures.get(r, "no result: another rank failed")}
+                for r in range(world)]
     rows = [_outcome_row(r, out, expected[r], ex, limit) for r, out in enumerate(outs)]
     if ex.total is not None:
         if all(out["status"] == "ok" for out in outs):

@@ -1,0 +1,187 @@
+"""course-grade on the fixture lesson 97: every kind of submission, one kernel each.
+
+One grading run covers them all (a kernel start costs ~1-2 s); each test reads its rows.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from course_lib.build import student_notebook
+from course_lib.grading import cli, grader
+
+FIXTURES = Path(__file__).parent / "fixtures" / "grading"
+SOLUTION = FIXTURES / "97_fixture.ipynb"
+EXERCISES = FIXTURES / "exercises_97.py"
+NOTEBOOK_TIMEOUT = 8.0
+DEF_MEAN, CHECK_MEAN, DEF_WORDS, CHECK_WORDS = 2, 3, 4, 5  # cell indices in the fixture
+
+MEAN_INT_DIV = "def mean(xs):\n    return sum(xs) // len(xs)"
+MEAN_SPINS = "def mean(xs):\n    while True:\n        pass"
+WORDS_SLEEPS = "import time\n\ndef count_words(text):\n    time.sleep(60)\n    return 0"
+WORDS_SPLIT_SPACE = "def count_words(text):\n    return len(text.split(' '))"
+WORDS_OK = "def count_words(text):\n    return len(text.split())"
+SPAWN_AND_HANG = ("import os, subprocess, time\n"
+                  "child = subprocess.Popen(['sleep', '300'])\n"
+                  "open('pids.txt', 'w').write(f'{os.getpid()} {child.pid}')\n"
+                  "time.sleep(600)")
+
+
+def _make(path: Path, *, release: bool = False, edit: dict | None = None,
+          drop: tuple = (), extra: list | None = None) -> Path:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    if release:
+        nb = student_notebook(nb, SOLUTION.name)
+    for index, source in (edit or {}).items():
+        nb.cells[index].source = source
+    nb.cells = [c for i, c in enumerate(nb.cells) if i not in drop]
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in extra or []]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Grade every submission once; returns {student: {exercise: row}} and run details."""
+    subs = tmp_path_factory.mktemp("subs")
+    lesson = "97_fixture.ipynb"
+    _make(subs / "carol" / lesson, release=True)
+    _make(subs / "dave" / lesson, release=True, drop=(CHECK_MEAN, CHECK_WORDS),
+          edit={DEF_MEAN: MEAN_INT_DIV, DEF_WORDS: WORDS_SPLIT_SPACE})
+    _make(subs / "erin" / lesson, release=True,
+          edit={CHECK_MEAN: 'print("all passed")', CHECK_WORDS: 'print("all passed")'})
+    _make(subs / "frank" / lesson, edit={DEF_MEAN: MEAN_SPINS, DEF_WORDS: WORDS_SLEEPS})
+    (subs / "gina").mkdir()
+    (subs / "gina" / lesson).write_text('{"cells": [')
+    _make(subs / "hank" / lesson, extra=["import os\nos._exit(1)"])
+    _make(subs / "ivy" / lesson, extra=[SPAWN_AND_HANG])
+    _make(subs / "kate.ipynb", release=True, edit={DEF_MEAN: "def mean(xs):\n    "
+                                                   "return sum(xs) / len(xs)",
+                                                   DEF_WORDS: WORDS_OK})
+    out = tmp_path_factory.mktemp("out")
+    kernels: list[int] = []
+    seen_rows: list[int] = []
+    original = grader.KernelSession.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        kernels.append(self.pid)
+
+    def progress(line):  # results must be on disk as each submission finishes
+        seen_rows.append(len(json.loads((out / "grades.json").read_text())))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COURSE_LIB_EXERCISES", str(EXERCISES))
+        mp.setattr(grader.KernelSession, "__init__", recording_init)
+        rows = grader.grade_all([subs], out, notebook_timeout=NOTEBOOK_TIMEOUT, progress=progress)
+    by_student: dict = {}
+    for row in rows:
+        by_student.setdefault(row["student"], {})[row["exercise"]] = row
+    return {"rows": rows, "by": by_student, "out": out, "kernels": kernels,
+            "seen_rows": seen_rows, "subs": subs}
+
+
+def _points(graded, student):
+    return {ex: row["points"] for ex, row in graded["by"][student].items()}
+
+
+def test_renamed_release_with_correct_code_is_found_by_metadata(graded):
+    assert _points(graded, "kate") == {"lesson97.mean": 2.0, "lesson97.count_words": 1.0}
+
+
+def test_untouched_release_scores_zero_with_not_implemented(graded):
+    rows = graded["by"]["carol"]
+    assert _points(graded, "carol") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
+    assert rows["lesson97.mean"]["reason"] == "not implemented yet: mean raises NotImplementedError"
+    assert rows["lesson97.mean"]["max_points"] == 2.0
+
+
+def test_wrong_implementations_without_check_cells_graded_on_real_code(graded):
+    rows = graded["by"]["dave"]
+    assert _points(graded, "dave") == {"lesson97.mean": 1.33, "lesson97.count_words": 0.33}
+    assert "expected 1.75, got 1.0" in rows["lesson97.mean"]["reason"]
+
+
+def test_fake_check_cells_gain_nothing(graded):
+    assert _points(graded, "erin") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
+    assert all("not implemented" in r["reason"] for r in graded["by"]["erin"].values())
+
+
+def test_hangs_cut_off_and_next_exercise_still_graded(graded):
+    rows = graded["by"]["frank"]
+    assert _points(graded, "frank") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
+    assert rows["lesson97.mean"]["reason"].startswith("timed out: mean([1, 2, 3]) did not "
+                                                      "finish within 2s")
+    # the pure-Python loop was stopped, so the next exercise ran (a call blocked in C, too)
+    assert rows["lesson97.count_words"]["reason"].startswith("timed out: count_words('a b c')")
+    assert graded["by"]["kate"]["lesson97.mean"]["points"] == 2.0  # and the next submission
+
+
+def test_invalid_json_scores_zero_with_reason(graded):
+    rows = graded["by"]["gina"]
+    assert _points(graded, "gina") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
+    assert rows["lesson97.mean"]["reason"].startswith("not a valid notebook:")
+
+
+def test_kernel_crash_scores_zero_with_reason(graded):
+    rows = graded["by"]["hank"]
+    assert _points(graded, "hank") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
+    assert "kernel died while running code cell 6" in rows["lesson97.mean"]["reason"]
+
+
+def test_notebook_timeout_then_graded_on_what_it_defined(graded):
+    rows = graded["by"]["ivy"]
+    assert _points(graded, "ivy") == {"lesson97.mean": 2.0, "lesson97.count_words": 1.0}
+    assert rows["lesson97.mean"]["reason"].startswith(
+        f"the notebook ran past its {NOTEBOOK_TIMEOUT:g}s limit at code cell 6")
+
+
+def test_no_process_left_behind(graded):
+    kernel_pid, child_pid = map(int, (graded["subs"] / "ivy" / "pids.txt").read_text().split())
+    assert kernel_pid in graded["kernels"]
+    assert len(graded["kernels"]) == 7  # every submission but the invalid file got a kernel
+    for pid in graded["kernels"] + [child_pid]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+def test_results_written_after_each_submission(graded):
+    assert graded["seen_rows"] == [2 * k for k in range(1, 9)]
+    with open(graded["out"] / "grades.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 16 and table[0].keys() >= {"student", "exercise", "points",
+                                                    "max_points", "reason"}
+    assert json.loads((graded["out"] / "grades.json").read_text()) == graded["rows"]
+
+
+def test_command_line(tmp_path):
+    sub = _make(tmp_path / "subs" / "97_fixture.ipynb")
+    bad = tmp_path / "subs" / "nobody.ipynb"
+    bad.write_text("not json")
+    run = subprocess.run([sys.executable, "-m", "course_lib.grading.cli", str(sub), str(bad),
+                          "--out", str(tmp_path / "out"), "--exercises", str(EXERCISES),
+                          "--timeout-exercise", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "out" / "grades.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["student"], r["exercise"], r["points"]) for r in table] == [
+        ("97_fixture", "lesson97.mean", "2.0"), ("97_fixture", "lesson97.count_words", "1.0"),
+        ("nobody", "", "0.0")]
+    assert table[2]["reason"].startswith("not a valid notebook")
+
+
+def test_command_line_rejects_bad_limits(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([str(SOLUTION), "--out", str(tmp_path), "--timeout-notebook", "0"])
+    assert exc.value.code == 2
+    assert "--timeout-notebook must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([str(tmp_path / "missing.ipynb"), "--out", str(tmp_path), "--lesson", "nope"])
+    assert "unknown lesson 'nope'" in capsys.readouterr().err
