@@ -67,7 +67,7 @@ def _mlp_checks(rank: int, world: int) -> dict[str, float]:
     return errs
 
 
-def _attention_checks(rank: int, world: int, causal: bool) -> dict[str, float]:
+def _attention_checks(rank: int, world: int, causal: bool, steps: int) -> dict[str, float]:
     torch.manual_seed(1)
     embed, heads, t = 16, 4, 6
     mha = nn.MultiheadAttention(embed, heads, batch_first=True, dtype=torch.float64)
@@ -95,7 +95,7 @@ def _attention_checks(rank: int, world: int, causal: bool) -> dict[str, float]:
             "out.b": _max_err(tp.out_proj.bias.grad, mha.out_proj.bias.grad)}
     opt_ref = torch.optim.SGD(mha.parameters(), lr=0.05)
     opt_tp = torch.optim.SGD(tp.parameters(), lr=0.05)
-    for step in range(20):
+    for step in range(steps):
         xb = torch.randn(2, t, embed, dtype=torch.float64)
         target = torch.randn(2, t, embed, dtype=torch.float64)
         for model, opt in ((ref, opt_ref), (tp, opt_tp)):
@@ -133,8 +133,10 @@ def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
 
 def _all_checks(rank: int, world: int) -> dict[str, float]:
     errs = {f"mlp.{k}": v for k, v in _mlp_checks(rank, world).items()}
-    for causal in (False, True):
-        errs.update({f"attn.{k}": v for k, v in _attention_checks(rank, world, causal).items()})
+    # 20 training steps without the mask; the causal mask changes only the forward: grads.
+    for causal, steps in ((False, 20), (True, 1)):
+        errs.update({f"attn.{k}": v
+                     for k, v in _attention_checks(rank, world, causal, steps).items()})
     errs.update(_layer_checks(rank, world))
     return errs
 
@@ -172,3 +174,94 @@ class _TwoRanks:
 def test_sizes_that_do_not_divide_are_refused(make, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make(_TwoRanks)
+
+
+# ---- exercises of lesson 06: the solution scores full points, realistic wrong versions less ----
+
+from course_lib.grading import grade_function  # noqa: E402
+from course_lib.tensor_parallel import (copy_to_parallel, divide,  # noqa: E402
+                                        reduce_from_parallel)
+
+
+def _shard_ignores_parts(tensor, dim, rank, world_size, parts=1):
+    size = divide(tensor.shape[dim], world_size, "dim")
+    return tensor.narrow(dim, rank * size, size).clone()
+
+
+def _shard_wrong_offset(tensor, dim, rank, world_size, parts=1):
+    blocks = tensor.chunk(parts, dim=dim)
+    size = blocks[0].shape[dim] // world_size
+    return torch.cat([b.narrow(dim, rank, size) for b in blocks], dim=dim)
+
+
+def _shard_interleaved(tensor, dim, rank, world_size, parts=1):
+    index = torch.arange(rank, tensor.shape[dim], world_size)
+    return tensor.index_select(dim, index)
+
+
+def test_shard_exercise_scores_solution_and_rejects_wrong_shards():
+    assert grade_function("lesson06.shard", shard).points == 2
+    for wrong in (_shard_ignores_parts, _shard_wrong_offset, _shard_interleaved):
+        result = grade_function("lesson06.shard", wrong)
+        assert result.points < 2, (wrong.__name__, result.reason)
+
+
+class _NoAllReduceBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dist, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _copy_missing_all_reduce(x, dist=None, group=None):
+    return _NoAllReduceBackward.apply(x, dist, group)
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dist, group):
+        ctx.dist = default_dist(dist)
+        out = x.clone()
+        ctx.dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        ctx.dist.all_reduce(grad)
+        return grad, None, None
+
+
+def _reduce_also_in_backward(x, dist=None, group=None):
+    return _AllReduceBothWays.apply(x, dist, group)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import sys
+
+    import cloudpickle
+
+    from course_lib.cluster import start
+
+    # The wrong versions live in this test module, which the engines cannot import.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with start(2, backend="gloo") as c:
+        yield c
+
+
+@pytest.mark.cluster
+def test_f_and_g_exercises_catch_misplaced_all_reduce(cluster):
+    assert grade_function("lesson06.copy_to_parallel", copy_to_parallel, cluster).points == 2
+    assert grade_function("lesson06.reduce_from_parallel", reduce_from_parallel,
+                          cluster).points == 2
+    missing = grade_function("lesson06.copy_to_parallel", _copy_missing_all_reduce, cluster)
+    assert missing.points == 0, missing.reason
+    # g used where f belongs: the forward already sums, so the values are wrong too.
+    swapped = grade_function("lesson06.copy_to_parallel", _reduce_also_in_backward, cluster)
+    assert swapped.points == 0, swapped.reason
+    twice = grade_function("lesson06.reduce_from_parallel", _reduce_also_in_backward, cluster)
+    assert twice.points == 0 and "grad" in twice.reason, twice.reason
