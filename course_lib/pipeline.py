@@ -95,6 +95,7 @@ class PipelineStage:
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.prev = None if self.is_first else self._global(stage_index - 1)
         self.next = None if self.is_last else self._global(stage_index + 1)
+        self._posted: dict[tuple[int, int], tuple] = {}
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -116,21 +117,44 @@ class PipelineStage:
         except Exception as exc:
             raise self._fail(f"isend (tag {tag}) of micro-batch {microbatch}", dst, exc) from exc
 
+    def irecv(self, src: int, tag: int, microbatch: int, like: torch.Tensor) -> None:
+        """Post the receives of header + a tensor shaped like `like` now (the micro-batches of a
+        step share one shape), so the transfer overlaps compute; `recv` collects them."""
+        header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+        tensor = torch.empty_like(like, memory_format=torch.contiguous_format)
+        try:
+            works = [self.dist.irecv(header, src, group=self.group, tag=tag),
+                     self.dist.irecv(tensor, src, group=self.group, tag=tag)]
+        except Exception as exc:
+            raise self._fail(f"irecv (tag {tag}) of micro-batch {microbatch}", src, exc) from exc
+        self._posted[(src, tag)] = (microbatch, header, tensor, works)
+
     def recv(self, src: int, tag: int, microbatch: int) -> torch.Tensor:
-        """Receive header + tensor from `src`; checks it is the micro-batch we expect."""
+        """Receive header + tensor from `src` (or collect what `irecv` posted); checks it is
+        the micro-batch we expect."""
         what = ("activation" if tag == ACTIVATION_TAG else "gradient") + \
             f" of micro-batch {microbatch}"
+        posted = self._posted.pop((src, tag), None)
         try:
-            header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
-            self.dist.recv(header, src, group=self.group, tag=tag)
-            code, got, ndim = (int(v) for v in header[:3])
-            tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code])
-            self.dist.recv(tensor, src, group=self.group, tag=tag)
+            if posted is None:
+                header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+                self.dist.recv(header, src, group=self.group, tag=tag)
+                code, ndim = int(header[0]), int(header[2])
+                tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code])
+                self.dist.recv(tensor, src, group=self.group, tag=tag)
+            else:
+                expected_mb, header, tensor, works = posted
+                for work in works:
+                    work.wait()
         except Exception as exc:
             raise self._fail(f"recv of {what}", src, exc) from exc
-        if got != microbatch:
+        got = int(header[1])
+        if got != microbatch or (posted and expected_mb != microbatch):
             raise RuntimeError(f"pipeline stage {self.stage_index}: expected {what} from rank "
                                f"{src} but got micro-batch {got} (schedules out of step?)")
+        if posted and not torch.equal(header, _header(tensor, microbatch)):
+            raise RuntimeError(f"pipeline stage {self.stage_index}: {what} from rank {src} has "
+                               "another shape or dtype than the step's first micro-batch")
         return tensor
 
 
@@ -221,6 +245,8 @@ class PipelineSchedule:
             x = [a[mb] for a in self._inputs]
         else:
             x = [st.recv(st.prev, ACTIVATION_TAG, mb).requires_grad_()]
+            if mb + 1 < self.n_microbatches:  # start the next one's transfer during compute
+                st.irecv(st.prev, ACTIVATION_TAG, mb + 1, like=x[0])
         start, self._nbytes = time.perf_counter(), 0
         with torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda t: t):
             out = st.submodule(*x)
@@ -246,7 +272,11 @@ class PipelineSchedule:
             raise RuntimeError(f"stage {st.stage_index}: backward of micro-batch {mb} before "
                                "its forward")
         x, out, nbytes = self._stash.pop(mb)
-        grad = None if st.is_last else st.recv(st.next, GRADIENT_TAG, mb)
+        grad = None
+        if not st.is_last:
+            grad = st.recv(st.next, GRADIENT_TAG, mb)
+            if mb + 1 < self.n_microbatches:
+                st.irecv(st.next, GRADIENT_TAG, mb + 1, like=grad)
         start = time.perf_counter()
         torch.autograd.backward(out, grad)
         self._record("B", mb, start)
