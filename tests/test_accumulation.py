@@ -65,9 +65,9 @@ def check(results: list[dict], world: int) -> None:
             assert buckets > 1 and calls == STEPS * buckets  # one sync per step, not per micro
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_accumulation_matches_one_big_batch_gloo(world):
-    check(spawn(accumulation_worker, world, backend="gloo", timeout=120), world)
+@pytest.mark.parametrize("backend,world", [("gloo", 2), ("scratch", 4)])
+def test_accumulation_matches_one_big_batch(backend, world):
+    check(spawn(accumulation_worker, world, backend=backend, timeout=120), world)
 
 
 def test_without_loss_scaling_the_step_is_k_times_too_large():

@@ -211,8 +211,16 @@ def check_parity(results: list[dict], world: int, with_torch: bool) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_parity_gloo(world):
+    """On torch.distributed (gloo): against one process and against torch DDP, side by side."""
     results = spawn(ddp_worker, world, True, backend="gloo", timeout=120)
     check_parity(results, world, with_torch=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_parity_scratch(world):
+    """On course_lib.dist: against one process (torch DDP needs torch.distributed)."""
+    results = spawn(ddp_worker, world, False, backend="scratch", timeout=120)
+    check_parity(results, world, with_torch=False)
 
 
 class RecordingDist:
