@@ -169,13 +169,22 @@ def load_exercise_file(path: str | os.PathLike) -> None:
     _EXTRA_LOADED.add(path)
 
 
+LOAD_ERRORS: dict[str, str] = {}  # exercise module -> why it failed to import
+
+
 def _load_all() -> None:
+    """Import every lesson's exercise module; one broken lesson does not break the others."""
     from course_lib.grading import exercises
 
-    for info in pkgutil.iter_modules(exercises.__path__):
-        importlib.import_module(f"{exercises.__name__}.{info.name}")
-    for path in filter(None, os.environ.get(EXTRA_ENV, "").split(os.pathsep)):
-        load_exercise_file(path)
+    modules = [f"{exercises.__name__}.{info.name}"
+               for info in pkgutil.iter_modules(exercises.__path__)]
+    for name in modules + list(filter(None, os.environ.get(EXTRA_ENV, "").split(os.pathsep))):
+        if name in LOAD_ERRORS:
+            continue
+        try:
+            load_exercise_file(name) if name.endswith(".py") else importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - reported by get_exercise and a test
+            LOAD_ERRORS[name] = f"{type(exc).__name__}: {exc}"
 
 
 def get_exercise(name: str) -> Exercise:
@@ -183,7 +192,8 @@ def get_exercise(name: str) -> Exercise:
     _load_all()
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "none"
-        raise KeyError(f"no exercise named {name!r}; known exercises: {known}")
+        broken = "".join(f"; {m} failed to load: {e}" for m, e in sorted(LOAD_ERRORS.items()))
+        raise KeyError(f"no exercise named {name!r}; known exercises: {known}{broken}")
     return _REGISTRY[name]
 
 

@@ -57,14 +57,18 @@ class Result:
                    cases, data.get("hint", ""))
 
     def _table(self) -> tuple[list[str], list[list[str]], list[bool]]:
-        ranked = any(r.rank is not None for c in self.cases for r in c.rows)
-        head = ["case"] + (["rank"] if ranked else []) + ["result", "expected", "got", "note"]
+        rows = [r for c in self.cases for r in c.rows]
+        ranked = any(r.rank is not None for r in rows)
+        noted = any(r.note for r in rows)
+        head = (["case"] + (["rank"] if ranked else []) + ["result", "expected", "got"]
+                + (["note"] if noted else []))
         body, ok = [], []
         for c in self.cases:
             for i, r in enumerate(c.rows):
                 rank = [] if not ranked else ["" if r.rank is None else str(r.rank)]
+                note = [r.note] if noted else []
                 body.append([c.label if i == 0 else ""] + rank +
-                            ["pass" if r.passed else "FAIL", r.expected, r.got, r.note])
+                            ["pass" if r.passed else "FAIL", r.expected, r.got] + note)
                 ok.append(r.passed)
         return head, body, ok
 

@@ -1,0 +1,122 @@
+"""Lesson 00's exercise end to end: solution -> student release -> check on the cluster -> grade."""
+
+import sys
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import psutil
+import pytest
+
+from conftest import leftover_processes
+from course_lib.cluster import start
+from course_lib.grading import get_exercise, grade_function
+from course_lib.grading.grader import grade_all
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "lesson00.shard_sum"
+
+
+def _defined_in(notebook: Path, function: str):
+    """Exec the notebook's cell that defines `function` (it is self-contained) and return it."""
+    nb = nbformat.read(notebook, as_version=4)
+    (source,) = [c.source for c in nb.cells
+                 if c.cell_type == "code" and c.source.startswith(f"def {function}(")]
+    namespace: dict = {}
+    exec(compile(source, str(notebook), "exec"), namespace)
+    return namespace[function]
+
+
+def off_by_one(rank, world_size, n):  # `<=` hands one more rank an extra element
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return sum(range(start, start + base + (1 if rank <= extra else 0)))
+
+
+def overlapping(rank, world_size, n):  # inclusive stop: neighbours share an element
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return sum(range(start, min(n, start + base + (1 if rank < extra else 0) + 1)))
+
+
+def missing_remainder(rank, world_size, n):  # n % world_size elements belong to no rank
+    base = n // world_size
+    return sum(range(rank * base, (rank + 1) * base))
+
+
+def remainder_on_last_rank(rank, world_size, n):  # covers range(n), but unbalanced
+    base = n // world_size
+    stop = n if rank == world_size - 1 else (rank + 1) * base
+    return sum(range(rank * base, stop))
+
+
+def hangs_on_rank_1(rank, world_size, n):
+    while rank == 1:
+        pass
+    return 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # The engines cannot import this test module: ship its functions by value, as a
+    # notebook's functions are.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ex = get_exercise(NAME)
+    try:
+        with start(ex.world_size, backend=ex.backend) as c:
+            yield c
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def test_solution_full_and_release_not_implemented(cluster):
+    solution = grade_function(NAME, _defined_in(ROOT / "solutions" / "00_cluster.ipynb",
+                                                "shard_sum"), cluster)
+    assert (solution.points, solution.reason) == (2.0, "all 4 cases passed"), str(solution)
+    assert [len(c.rows) for c in solution.cases] == [4, 4, 4, 4]  # 3 ranks + the total
+    release = grade_function(NAME, _defined_in(ROOT / "notebooks" / "00_cluster.ipynb",
+                                               "shard_sum"), cluster)
+    assert release.points == 0.0
+    assert release.reason == "not implemented yet: shard_sum raises NotImplementedError"
+
+
+@pytest.mark.parametrize("wrong", [off_by_one, overlapping, missing_remainder,
+                                   remainder_on_last_rank])
+def test_realistic_mistakes_score_below_full(cluster, wrong):
+    result = grade_function(NAME, wrong, cluster)
+    assert result.points < 2.0, str(result)
+    assert "cases failed" in result.reason
+    notes = {r.note for c in result.cases for r in c.rows if not r.passed}
+    assert notes == {"wrong value"}, str(result)  # it ran and returned a wrong number
+
+
+def test_partial_credit_is_by_case(cluster):
+    # Without a remainder (n=0) even the missing-remainder version is right: 1 case of 4.
+    assert grade_function(NAME, missing_remainder, cluster).points == 0.5
+
+
+def test_deadlock_on_one_rank_cut_off_then_cluster_usable(cluster):
+    result = grade_function(NAME, hangs_on_rank_1, cluster, time_limit=3)
+    assert result.points == 0.0
+    assert result.reason == ("timed out: n=10 did not finish within 3s on rank(s) 1 "
+                             "(an endless loop or a deadlock?)")
+    again = grade_function(NAME, _defined_in(ROOT / "solutions" / "00_cluster.ipynb",
+                                             "shard_sum"), cluster)
+    assert again.points == 2.0, str(again)
+
+
+def test_batch_grading_solution_and_student_release(tmp_path):
+    before = set(leftover_processes())  # e.g. the module's cluster
+    rows = grade_all([ROOT / "solutions" / "00_cluster.ipynb",
+                      ROOT / "notebooks" / "00_cluster.ipynb"], tmp_path,
+                     notebook_timeout=300, progress=lambda line: None)
+    by_dir = {Path(r["notebook"]).parent.name: r for r in rows}
+    assert len(rows) == 2
+    assert (by_dir["solutions"]["points"], by_dir["solutions"]["reason"]) == (
+        2.0, "all 4 cases passed")
+    assert by_dir["notebooks"]["points"] == 0.0
+    assert by_dir["notebooks"]["reason"] == ("not implemented yet: shard_sum raises "
+                                             "NotImplementedError")
+    left = set(leftover_processes()) - before  # found by the session marker, even orphans
+    assert psutil.wait_procs(left, timeout=5)[1] == [], left
