@@ -1,0 +1,149 @@
+"""Lesson 01 (point-to-point): framing a tensor message; a deadlock-free exchange."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.grading.runner import CheckTimeout
+
+# --- lesson01.encode_header / decode_header (local) ----------------------------------------
+
+
+def _encode_reference(tag: int, tensor: torch.Tensor) -> bytes:
+    from course_lib.dist.wire import encode_header
+
+    return encode_header(tag, tensor)
+
+
+register(Exercise(
+    name="lesson01.encode_header",
+    notebook="01_point_to_point",
+    params=("tag", "tensor"),
+    cases=[
+        case(0, torch.zeros(3, 4), label="float32 (3, 4), tag 0"),
+        case(7, torch.arange(5), label="int64 (5,), tag 7"),
+        case(2, torch.ones(2, 3, 1, dtype=torch.float16), label="float16 (2, 3, 1)"),
+        case(1, torch.zeros(4, 2, dtype=torch.bfloat16), label="bfloat16 (4, 2): not square"),
+        case(3, torch.tensor(True), label="a bool scalar (0 dims)"),
+        case(9, torch.empty(0, 5, dtype=torch.uint8), label="empty uint8 (0, 5)"),
+    ],
+    reference=_encode_reference,
+    points=2,
+    hint=("HEADER.pack(MAGIC, tag, DTYPE_CODE[tensor.dtype], tensor.dim(), 0, nbytes, *shape): "
+          "nbytes = numel * element_size (not 4 for every dtype), shape in order, padded with "
+          "zeros to MAX_DIMS entries."),
+))
+
+
+def _header(magic: int = 0x54534443, tag: int = 0, code: int = 0, ndim: int = 2, nbytes: int = 48,
+            shape: tuple = (3, 4)) -> bytes:
+    """A header with chosen fields, valid or not (the format of course_lib.dist.wire)."""
+    shape = list(shape) + [0] * (8 - len(shape))
+    return struct.pack("<IqBBHQ8q", magic, tag, code, ndim, 0, nbytes, *shape)
+
+
+def decode_harness(fn, data: bytes):
+    """The decoded tuple, or "rejected" if `fn` raised (any error) on a malformed header."""
+    try:
+        return fn(data)
+    except (NotImplementedError, CheckTimeout):
+        raise
+    except Exception:  # noqa: BLE001 - refusing a malformed header is the expected answer
+        return "rejected"
+
+
+def _decode_reference(data: bytes):
+    from course_lib.dist.wire import decode_header
+
+    return decode_harness(decode_header, data)
+
+
+register(Exercise(
+    name="lesson01.decode_header",
+    notebook="01_point_to_point",
+    params=("data",),
+    cases=[
+        case(_header(), label="float32 (3, 4)"),
+        case(_header(tag=5, code=8, ndim=1, nbytes=56, shape=(7,)), label="int64 (7,), tag 5"),
+        case(_header(code=3, ndim=3, nbytes=12, shape=(2, 1, 3)), label="bfloat16 (2, 1, 3)"),
+        case(_header(code=9, ndim=0, nbytes=1, shape=()), label="a bool scalar"),
+        case(_header(code=2, ndim=2, nbytes=0, shape=(0, 7)), label="empty float16 (0, 7)"),
+        case(_header(magic=0x12345678), label="bad magic: reject"),
+        case(_header(nbytes=12), label="nbytes disagrees with the shape: reject"),
+        case(_header(code=200), label="unknown dtype code: reject"),
+        case(_header(ndim=9), label="more than 8 dims: reject"),
+        case(_header(ndim=1, nbytes=12, shape=(3, 4)), label="shape entries past ndim: reject"),
+    ],
+    reference=_decode_reference,
+    harness=decode_harness,
+    points=2,
+    hint=("Unpack with HEADER, check the magic, the dtype code (< len(DTYPES)), ndim <= MAX_DIMS, "
+          "that shape entries past ndim are 0, and nbytes == numel * dtype.itemsize; return "
+          "(tag, dtype, shape[:ndim] as a tuple, nbytes)."),
+))
+
+# --- lesson01.exchange (on the cluster) -----------------------------------------------------
+
+
+def payload(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor that differs by rank (exact in every dtype used here)."""
+    return ((torch.arange(n) % 1000) + 1000 * (rank + 1)).to(dtype)
+
+
+def summary(t) -> dict | str:
+    """What comes back from the engines instead of a large tensor."""
+    if not isinstance(t, torch.Tensor):
+        return f"not a tensor: {type(t).__name__}"
+    return {"shape": tuple(t.shape), "dtype": str(t.dtype), "head": t.reshape(-1)[:3].tolist(),
+            "checksum": float(t.double().sum())}
+
+
+def partner(rank: int, world_size: int, shift: int) -> int:
+    """Round `shift` of a round-robin: pairs (r, (shift - r) mod p); a rank paired with itself
+    sits out (one rank per round when p is odd)."""
+    return (shift - rank) % world_size
+
+
+def exchange_harness(fn, rank: int, world_size: int, n: int, dtype: str, shift: int):
+    peer = partner(rank, world_size, shift)
+    if peer == rank:
+        return "sits out"
+    mine = payload(rank, n, getattr(torch, dtype))
+    before = mine.clone()
+    got = fn(mine, peer)
+    return {"received": summary(got), "own tensor unchanged": bool(torch.equal(mine, before))}
+
+
+def _exchange_reference(rank: int, world_size: int, n: int, dtype: str, shift: int):
+    peer = partner(rank, world_size, shift)
+    if peer == rank:
+        return "sits out"
+    return {"received": summary(payload(peer, n, getattr(torch, dtype))),
+            "own tensor unchanged": True}
+
+
+BIG = 2 ** 23  # 32 MiB of float32: more than the kernel buffers a socket, so order matters
+
+register(Exercise(
+    name="lesson01.exchange",
+    notebook="01_point_to_point",
+    params=("tensor", "peer"),
+    cases=[
+        case(RANK, WORLD_SIZE, 10, "float32", 1, label="10 floats, pairs (0, 1)"),
+        case(RANK, WORLD_SIZE, BIG, "float32", 1, label="32 MiB, pairs (0, 1)"),
+        case(RANK, WORLD_SIZE, 1001, "int64", 2, label="1001 int64, pairs (0, 2)"),
+        case(RANK, WORLD_SIZE, BIG, "float32", 0, label="32 MiB, pairs (1, 2)"),
+    ],
+    reference=_exchange_reference,
+    harness=exchange_harness,
+    distributed=True,
+    world_size=3,
+    points=2,
+    time_limit=10.0,
+    hint=("Both ranks sending a large tensor first deadlock: neither receives. Let the lower "
+          "rank send first and the higher receive first, or post dist.irecv and dist.isend and "
+          "wait on both. Receive into a new tensor (torch.empty_like) and return it."),
+))

@@ -1,0 +1,151 @@
+"""Lesson 01 exercises: the notebook's solutions score full points, realistic mistakes less."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+
+from course_lib import dist
+from course_lib.dist import wire
+from course_lib.grading import grade_function
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "01_point_to_point.ipynb"
+
+
+def solution(name: str, notebook: Path = NOTEBOOK):
+    """The function `name` as the solution notebook defines it (its cell run on its own)."""
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            namespace = {"__name__": f"solution_{name}", "torch": torch, "dist": dist,
+                         "wire": wire}
+            exec(compile(cell.source, f"{notebook.name}:{name}", "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"{notebook.name} defines no function {name}")
+
+
+def full(name, fn, cluster=None):
+    r = grade_function(name, fn, cluster)
+    assert r.points == r.max_points, r
+
+
+def less(name, fn, cluster=None, **kwargs):
+    r = grade_function(name, fn, cluster, **kwargs)
+    assert r.points < r.max_points, r
+    return r
+
+
+# lesson01.encode_header -------------------------------------------------------------------
+
+def _pack(tag, tensor, code, nbytes, shape):
+    shape = list(shape) + [0] * (wire.MAX_DIMS - len(shape))
+    return wire.HEADER.pack(wire.MAGIC, tag, code, len(tensor.shape), 0, nbytes, *shape)
+
+
+def four_bytes_per_element(tag, tensor):
+    return _pack(tag, tensor, wire.DTYPE_CODE[tensor.dtype], tensor.numel() * 4, tensor.shape)
+
+
+def shape_reversed(tag, tensor):
+    return _pack(tag, tensor, wire.DTYPE_CODE[tensor.dtype],
+                 tensor.numel() * tensor.element_size(), tuple(reversed(tensor.shape)))
+
+
+def no_dtype(tag, tensor):
+    return _pack(tag, tensor, 0, tensor.numel() * tensor.element_size(), tensor.shape)
+
+
+def test_encode_header_solution_and_mistakes():
+    full("lesson01.encode_header", solution("encode_header"))
+    full("lesson01.encode_header", wire.encode_header)
+    for wrong in (four_bytes_per_element, shape_reversed, no_dtype):
+        less("lesson01.encode_header", wrong)
+
+
+# lesson01.decode_header -------------------------------------------------------------------
+
+def trusts_everything(data):
+    magic, tag, code, ndim, _, nbytes, *shape = wire.HEADER.unpack(data)
+    return tag, wire.DTYPES[code], tuple(shape[:ndim]), nbytes
+
+
+def keeps_padding(data):
+    tag, dtype, _, nbytes = wire.decode_header(data)
+    return tag, dtype, tuple(wire.HEADER.unpack(data)[6:]), nbytes
+
+
+def float32_sizes_only(data):
+    magic, tag, code, ndim, _, nbytes, *shape = wire.HEADER.unpack(data)
+    if magic != wire.MAGIC or code >= len(wire.DTYPES) or ndim > wire.MAX_DIMS:
+        raise ValueError("bad header")
+    if nbytes != torch.Size(shape[:ndim]).numel() * 4:
+        raise ValueError("bad nbytes")
+    return tag, wire.DTYPES[code], tuple(shape[:ndim]), nbytes
+
+
+def test_decode_header_solution_and_mistakes():
+    full("lesson01.decode_header", solution("decode_header"))
+    for wrong in (trusts_everything, keeps_padding, float32_sizes_only):
+        less("lesson01.decode_header", wrong)
+
+
+def test_not_implemented_scores_zero():
+    def stub(data):
+        raise NotImplementedError
+    r = grade_function("lesson01.decode_header", stub)
+    assert r.points == 0, r  # the harness must not turn NotImplementedError into "rejected"
+
+
+# lesson01.exchange (on a 3-rank cluster) ----------------------------------------------------
+
+def both_send_first(tensor, peer):
+    from course_lib import dist
+    received = torch.empty_like(tensor)
+    dist.send(tensor, peer)
+    dist.recv(received, peer)
+    return received
+
+
+def returns_own(tensor, peer):
+    from course_lib import dist
+    received = torch.empty_like(tensor)
+    works = [dist.irecv(received, peer), dist.isend(tensor, peer)]
+    for w in works:
+        w.wait()
+    return tensor
+
+
+def receives_into_input(tensor, peer):
+    """The higher rank overwrites its tensor with the message, then sends that back."""
+    from course_lib import dist
+    if dist.get_rank() < peer:
+        dist.send(tensor, peer)
+        dist.recv(tensor, peer)
+    else:
+        dist.recv(tensor, peer)
+        dist.send(tensor, peer)
+    return tensor
+
+
+@pytest.fixture(scope="module")
+def c3():
+    from course_lib.cluster import start
+
+    with start(3, backend="scratch", timeout=60) as c:
+        yield c
+
+
+@pytest.mark.cluster
+def test_exchange_solution_and_mistakes(c3):
+    full("lesson01.exchange", solution("exchange"), c3)
+    for wrong in (returns_own, receives_into_input):
+        less("lesson01.exchange", wrong, c3)
+    r = less("lesson01.exchange", both_send_first, c3, time_limit=4)
+    assert r.reason.startswith("timed out"), r.reason  # the 32 MiB case deadlocks
+    assert r.cases[0].passed  # small messages fit in the kernel's buffers
+    full("lesson01.exchange", solution("exchange"), c3)  # the cluster recovered

@@ -1,0 +1,148 @@
+"""Lesson 02 exercises: the notebook's solutions score full points, realistic mistakes less."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+
+from course_lib.grading import grade_function
+from test_lesson01_exercises import full, less, solution  # tests/ is on sys.path
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "02_collectives.ipynb"
+
+
+def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send=False):
+    """A ring all_reduce with one mistake switched on (see the wrong versions below)."""
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % p, (r - 1) % p
+    if left_for_send:
+        right = left
+    flat = tensor.view(-1)
+    chunks = chunk_of(flat, p) if chunk_of else flat.tensor_split(p)
+    incoming = torch.empty_like(chunks[0])
+    for s in range(p - 1):
+        mine, theirs = chunks[(r - s) % p], chunks[(r - s - 1) % p]
+        buf = incoming[:theirs.numel()]
+        if recv_first:
+            dist.recv(buf, left)
+            dist.send(mine, right)
+        else:
+            send = dist.isend(mine, right)
+            dist.recv(buf, left)
+            send.wait()
+        theirs += buf
+    if gather:
+        for s in range(p - 1):
+            send = dist.isend(chunks[(r - s + 1) % p], right)
+            dist.recv(chunks[(r - s) % p], left)
+            send.wait()
+
+
+def off_by_one_chunk(tensor):
+    """All-gather starts from chunk r instead of the finished chunk (r + 1) % p."""
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    _ring(tensor, gather=False)
+    chunks = tensor.view(-1).tensor_split(p)
+    for s in range(p - 1):
+        send = dist.isend(chunks[(r - s) % p], (r + 1) % p)
+        dist.recv(chunks[(r - s - 1) % p], (r - 1) % p)
+        send.wait()
+
+
+def no_all_gather(tensor):
+    _ring(tensor, gather=False)
+
+
+def forgets_remainder(tensor):
+    def equal_chunks(flat, p):
+        k = flat.numel() // p
+        return [flat[i * k:(i + 1) * k] for i in range(p)]
+    _ring(tensor, chunk_of=equal_chunks)
+
+
+def everyone_receives_first(tensor):
+    _ring(tensor, recv_first=True)
+
+
+def sends_left_receives_left(tensor):
+    _ring(tensor, left_for_send=True)
+
+
+def library_all_reduce(tensor):
+    from course_lib import dist
+    dist.all_reduce(tensor, algorithm="ring")  # right sums, but not built from send/recv
+
+
+_TREE = solution("tree_broadcast", NOTEBOOK)
+
+
+def from_rank_zero(tensor, src):
+    """A correct binomial tree, rooted at rank 0 whatever `src` says."""
+    _TREE(tensor, 0)
+
+
+def naive_broadcast(tensor, src):
+    from course_lib import dist
+    if dist.get_rank() == src:
+        for r in range(dist.get_world_size()):
+            if r != src:
+                dist.send(tensor, r)
+    else:
+        dist.recv(tensor, src)
+
+
+def chain_broadcast(tensor, src):
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    v = (r - src) % p
+    if v > 0:
+        dist.recv(tensor, (r - 1) % p)
+    if v < p - 1:
+        dist.send(tensor, (r + 1) % p)
+
+
+def tree_without_translation(tensor, src):
+    """Virtual ranks computed but never translated back: only right when src == 0."""
+    from course_lib import dist
+    p, v = dist.get_world_size(), (dist.get_rank() - src) % p
+    k = 1
+    while k < p:
+        if v < k and v + k < p:
+            dist.send(tensor, v + k)
+        elif k <= v < 2 * k:
+            dist.recv(tensor, v - k)
+        k *= 2
+
+
+@pytest.fixture(scope="module")
+def c4():
+    from course_lib.cluster import start
+
+    with start(4, backend="scratch", timeout=60) as c:
+        yield c
+
+
+@pytest.mark.cluster
+def test_ring_all_reduce_solution_and_mistakes(c4):
+    ring = solution("ring_all_reduce", NOTEBOOK)
+    full("lesson02.ring_all_reduce", ring, c4)
+    for wrong in (off_by_one_chunk, no_all_gather, forgets_remainder, library_all_reduce):
+        less("lesson02.ring_all_reduce", wrong, c4)
+    for hangs in (everyone_receives_first, sends_left_receives_left):
+        r = less("lesson02.ring_all_reduce", hangs, c4, time_limit=3)
+        assert r.reason.startswith("timed out"), r.reason
+    full("lesson02.ring_all_reduce", ring, c4)  # the cluster recovered
+
+
+@pytest.mark.cluster
+def test_tree_broadcast_solution_and_mistakes(c4):
+    full("lesson02.tree_broadcast", _TREE, c4)
+    for wrong in (from_rank_zero, naive_broadcast, chain_broadcast, tree_without_translation):
+        less("lesson02.tree_broadcast", wrong, c4)
