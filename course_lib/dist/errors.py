@@ -21,5 +21,10 @@ class ProtocolError(Exception):
 
 
 def describe(rank: int, op: str, direction: str, peer: int, reason: str) -> str:
-    """The one message format: 'rank 1: all_reduce(ring) recv from rank 0 failed: <reason>'."""
+    """The one message format: 'rank 1: all_reduce(ring) recv from rank 0 failed: <reason>'.
+
+    A point-to-point call already names the direction: 'rank 1: irecv from rank 0 failed: ...'.
+    """
+    if op in ("send", "isend", "recv", "irecv"):
+        direction = direction.split()[-1]
     return f"rank {rank}: {op} {direction} rank {peer} failed: {reason}"

@@ -35,7 +35,7 @@ class Work:
 
     def __init__(self, deadline: float, what: tuple[int, str, str, int | None],
                  done: bool = False, error: BaseException | None = None):
-        self.deadline = deadline
+        self.deadline, self.started = deadline, time.monotonic()
         self._what = what  # (rank, op, direction, peer) for error messages
         self._done = threading.Event()
         self._error = error
@@ -48,9 +48,10 @@ class Work:
 
     def _timeout_error(self) -> DistTimeoutError:
         rank, op, direction, peer = self._what
-        where = f"{op} {direction} rank {peer}" if peer is not None else op
-        return DistTimeoutError(f"rank {rank}: {where} failed: timed out", rank=rank,
-                                peer=peer, op=op)
+        reason = f"timed out after {time.monotonic() - self.started:.1f}s"
+        message = (describe(rank, op, direction, peer, reason) if peer is not None
+                   else f"rank {rank}: {op} failed: {reason}")
+        return DistTimeoutError(message, rank=rank, peer=peer, op=op)
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -183,7 +184,8 @@ class Peer:
             send_frame(self._wsock, header, view, work.deadline)
         except WireTimeout:
             # Part of a frame may be out: the stream is no longer in step, so the link is dead.
-            reason = f"timed out after {self.timeout:g}s (the peer is not receiving)"
+            reason = (f"timed out after {time.monotonic() - work.started:.1f}s "
+                      "(the peer is not receiving)")
             self._fatal(op, "send to", reason)
             work._finish(self._error(op, "send to", reason, timeout=True))
         except OSError as exc:
@@ -312,8 +314,8 @@ class Peer:
         self._posted[req.tag].remove(req)
         if not self._posted[req.tag]:
             del self._posted[req.tag]
-        req._complete(self._error(req.op, "recv from", f"timed out after {self.timeout:g}s",
-                                  timeout=True))
+        req._complete(self._error(req.op, "recv from", "timed out after "
+                                  f"{time.monotonic() - req.started:.1f}s", timeout=True))
 
     def _read_one(self, req: RecvRequest, deadline: float) -> None:
         """Read one frame and hand it to its receive (or buffer it); a broken stream is fatal."""

@@ -1,0 +1,50 @@
+"""The allreduce benchmark runs end to end on tiny sizes and writes rows, JSON and a plot.
+
+Speed itself is measured by the lead with `make bench`, never asserted in a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from course_lib.bench import __main__ as bench_cli
+from course_lib.bench import allreduce
+
+
+def test_parse_size():
+    assert allreduce.parse_size("4KiB") == 4096
+    assert allreduce.parse_size("16MiB") == 16 * 2 ** 20
+    assert allreduce.parse_size("1000") == 1000
+    for bad in ("3B", "4XB", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            allreduce.parse_size(bad)
+
+
+def test_benchmark_rows_json_and_plot(tmp_path):
+    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
+    backends = "scratch,gloo" + (",mpi" if allreduce._mpi_available() is None else "")
+    assert bench_cli.main(["allreduce", "--world", "2", "--backends", backends,
+                           "--sizes", "4KiB,64KiB", "--algorithms", "ring,tree",
+                           "--repeats", "2", "--rounds", "1", "--timeout", "120",
+                           "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["backend"], r["algorithm"], r["bytes"]) for r in rows}
+    want = {(b, a, n) for n in (4096, 65536)
+            for b, a in [("scratch", "ring"), ("scratch", "tree"), ("gloo", "default")]
+            + ([("mpi", "default")] if "mpi" in backends else [])}
+    assert got == want
+    for r in rows:
+        assert r["world"] == 2 and r["repeats"] == 2 and r["seconds"] > 0
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (2 - 1) / 2)
+    assert png.stat().st_size > 1000
+
+
+def test_measure_catches_a_wrong_result(monkeypatch):
+    """The check outside the timed region fails loudly when an all_reduce is wrong."""
+    monkeypatch.setattr(allreduce, "_backend_ops", lambda b, a: (lambda: None, lambda t: None))
+    with pytest.raises(AssertionError, match="expected 3.0"):
+        allreduce.measure(0, 2, "scratch", [(4096, "ring")], repeats=1)

@@ -1,0 +1,127 @@
+"""Failures on course_lib.dist: a rank that dies mid-all_reduce, intruders, malformed frames.
+
+A dead peer must make every other rank raise (not hang) well within the group timeout, with
+an error naming this rank, the operation and the dead rank; strangers on a listening port are
+rejected and logged, and the group keeps computing correct results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import time
+
+import pytest
+import torch
+
+from course_lib.spawn import SpawnError, spawn
+
+GROUP_TIMEOUT = 60.0
+
+
+def die_mid_all_reduce(rank: int, world: int, outdir: str, victim: int) -> None:
+    from course_lib import dist
+    from course_lib.dist import collectives
+
+    t = torch.ones(2 ** 18)
+    dist.all_reduce(t, algorithm="ring")  # the group works...
+    if rank == victim:
+        def crash(*args):  # ...until the victim dies after receiving its first segment
+            os._exit(17)
+        collectives.reduce_ = crash
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(t, algorithm="ring")
+        result = {"error": None}
+    except dist.DistError as exc:
+        result = {"error": str(exc), "type": type(exc).__name__}
+    result["elapsed"] = time.monotonic() - t0
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_dead_rank_makes_every_other_rank_raise(tmp_path):
+    world, victim = 4, 2
+    with pytest.raises(SpawnError) as info:
+        spawn(die_mid_all_reduce, world, str(tmp_path), victim, backend="scratch",
+              timeout=GROUP_TIMEOUT)
+    assert set(info.value.failures) == {victim}, info.value
+    for rank in set(range(world)) - {victim}:
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        msg = result["error"]
+        assert msg and msg.startswith(f"rank {rank}: all_reduce(ring) "), result
+        assert f"rank {victim}" in msg, msg  # names the dead peer, even if it was not a neighbour
+        assert result["elapsed"] < GROUP_TIMEOUT / 4, result
+
+
+def intruders(rank: int, world: int) -> dict:
+    from course_lib import dist
+    from course_lib.dist import group
+    from course_lib.dist.wire import HELLO, HELLO_MAGIC
+
+    out = {}
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("course_lib.dist").addHandler(handler)
+    transport = group._world.transport
+    dist.barrier()
+    if rank == 1:
+        target = transport.addresses[0]
+        attempts = {
+            "garbage": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(40),
+            "pickle": pickle.dumps(torch.ones(3)),
+            "nothing": b"",
+        }
+        for name, payload in attempts.items():
+            with socket.create_connection(target, timeout=5) as s:
+                try:
+                    s.sendall(payload)
+                    s.shutdown(socket.SHUT_WR)
+                    out[name] = s.recv(100)  # b"" once the listener hangs up...
+                except OSError:
+                    out[name] = b""  # ...or a reset, when it closed with our bytes unread
+        with socket.create_connection(target, timeout=5) as s:  # a hello, then a wrong proof
+            s.sendall(HELLO.pack(HELLO_MAGIC, 1, 0, os.urandom(32)))
+            reply = s.recv(64, socket.MSG_WAITALL)
+            s.sendall(os.urandom(32))
+            out["wrong_secret"] = (len(reply), s.recv(10))
+    dist.barrier()
+    if rank == 0:
+        deadline = time.monotonic() + 10
+        while len(records) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["warnings"] = list(records)
+    # The group still works, with correct results.
+    t = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    out["all_reduce_ok"] = torch.equal(t, torch.arange(10, dtype=torch.float32) * 3)
+    dist.barrier()
+    # An authenticated peer that sends a malformed frame: closed, logged, and an error.
+    if rank == 1:
+        transport.peer(0)._wsock.sendall(pickle.dumps({"x": 1}).ljust(88, b"\0"))
+        time.sleep(0.5)
+    else:
+        try:
+            dist.recv(torch.empty(3), 1)
+        except dist.DistError as exc:
+            out["malformed"] = str(exc)
+        out["warnings_after"] = list(records)
+    return out
+
+
+def test_intruders_are_rejected_and_the_group_keeps_working():
+    r0, r1 = spawn(intruders, 2, backend="scratch", timeout=GROUP_TIMEOUT)
+    assert r1["garbage"] == r1["pickle"] == r1["nothing"] == b""
+    assert r1["wrong_secret"] == (64, b""), r1  # the listener still answered, then hung up
+    warnings = r0["warnings"]
+    assert len(warnings) == 4, warnings
+    assert all(w.startswith("rank 0: rejected a connection from 127.0.0.1") for w in warnings)
+    assert sum("not a course_lib.dist hello" in w for w in warnings) == 2, warnings
+    assert any("failed the HMAC challenge" in w for w in warnings), warnings
+    assert r0["all_reduce_ok"] and r1["all_reduce_ok"]
+    assert r0["malformed"].startswith("rank 0: recv from rank 1 failed: malformed frame"), r0
+    assert any("malformed frame" in w for w in r0["warnings_after"])
