@@ -23,13 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedules", default="gpipe,1f1b", help=f"subset of {SCHEDULES}")
     p.add_argument("--width", type=int, default=1024, help="features of every linear layer")
     p.add_argument("--layers-per-stage", type=int, default=4)
-    p.add_argument("--microbatch-size", type=int, default=32, help="rows per micro-batch")
+    p.add_argument("--microbatch-size", type=int, default=64, help="rows per micro-batch")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--backend", default="gloo", choices=("gloo", "scratch"))
 
 
-def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
+def run_stage(rank: int, world: int, cfg: dict) -> list[dict]:
     """One stage: for each schedule and m, warm-up steps then timed steps; per-step records."""
     import torch
     from torch import nn
@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
     return records
 
 
-def _summarize(p: int, per_rank: list[list[dict]]) -> list[dict]:
+def summarize(p: int, per_rank: list[list[dict]]) -> list[dict]:
     from course_lib.pipeline import Event, bubble_fractions, ideal_bubble
 
     rows = []
@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> list[dict]:
            "warmup": args.warmup, "schedules": schedules, "microbatches": _ints(args.microbatches)}
     rows = []
     for p in _ints(args.stages):
-        per_rank = spawn(_worker, p, cfg, backend=args.backend, timeout=600)
-        rows += _summarize(p, per_rank)
+        per_rank = spawn(run_stage, p, cfg, backend=args.backend, timeout=600)
+        rows += summarize(p, per_rank)
     return rows
 
 
