@@ -224,7 +224,8 @@ class TensorParallelMLP(nn.Module):
 class TensorParallelAttention(nn.Module):
     """Multi-head self-attention split by heads: each rank owns num_heads/p heads (its slice of
     the q, k, v projections, column-parallel) and the matching columns of the output projection
-    (row-parallel). Inputs are (batch, seq, embed_dim), like nn.MultiheadAttention(batch_first=True).
+    (row-parallel). Inputs are (batch, seq, embed_dim), as for
+    nn.MultiheadAttention(batch_first=True).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, *,

@@ -248,3 +248,20 @@ def test_lesson07_exercises_score_solutions_and_reject_wrong_versions():
         for wrong in wrongs:
             result = grade_function(name, wrong)
             assert result.points < result.max_points, (name, wrong.__name__, result.reason)
+
+
+def test_benchmark_summary_measures_bubble_from_events():
+    """The benchmark's row for a 2-stage GPipe step with the ideal timeline (above)."""
+    from course_lib.bench.pipeline import summarize
+
+    ideal = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 4, 5), (0, "B", 1, 5, 6),
+             (1, "F", 0, 1, 2), (1, "F", 1, 2, 3), (1, "B", 0, 3, 4), (1, "B", 1, 4, 5)]
+
+    def record(stage):
+        return {"schedule": "gpipe", "m": 2, "seconds": 6.0, "peak_live": 2,
+                "peak_bytes": 2**20, "events": [e for e in ideal if e[0] == stage]}
+
+    [row] = summarize(2, [[record(0)], [record(1)]])
+    assert row["bubble"] == pytest.approx(1 / 3) and row["ideal_bubble"] == pytest.approx(1 / 3)
+    assert row["step_s"] == 6.0 and row["peak_live_per_stage"] == "2/2"
+    assert row["peak_act_MiB"] == 1.0

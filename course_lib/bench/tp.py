@@ -1,4 +1,4 @@
-"""Tensor-parallel MLP: time per training step and parameter memory per rank vs TP degree.
+"""Tensor-parallel MLP: time per training step, parameter and activation memory per rank.
 
 Each row runs a forward and backward of `TensorParallelMLP` (d_model -> d_hidden -> d_model,
 two all-reduces per step) on `world` ranks, one thread each, next to the unsplit MLP on one
@@ -28,6 +28,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch
     from torch import nn
 
+    from course_lib.accumulation import saved_activation_bytes
     from course_lib.data import default_dist
     from course_lib.tensor_parallel import TensorParallelMLP
 
@@ -47,9 +48,9 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         mlp(x).square().mean().backward()
         if i >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in mlp.parameters())
-    return {"times": times, "params": params,
-            "param_bytes": sum(p.numel() * p.element_size() for p in mlp.parameters())}
+    return {"times": times, "params": sum(p.numel() for p in mlp.parameters()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in mlp.parameters()),
+            "activation_bytes": saved_activation_bytes(mlp, x)}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -65,7 +66,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                      "tokens": args.tokens,
                      "step_s": median(slowest_rank([r["times"] for r in per_rank])),
                      "params_per_rank": per_rank[0]["params"],
-                     "param_MiB_per_rank": per_rank[0]["param_bytes"] / 2**20})
+                     "param_MiB_per_rank": per_rank[0]["param_bytes"] / 2**20,
+                     "act_MiB_per_rank": per_rank[0]["activation_bytes"] / 2**20})
     return rows
 
 
