@@ -78,15 +78,18 @@ def _row(student: str, path: Path, exercise: str, points: float, max_points: flo
 class KernelSession:
     """A fresh kernel for one submission; `close()` ends it and its process tree by PID."""
 
-    def __init__(self, nb: nbformat.NotebookNode, cwd: Path, env: dict[str, str], sockets: Path):
+    def __init__(self, nb: nbformat.NotebookNode, cwd: Path):
         self.client = NotebookClient(nb, kernel_name="python3", allow_errors=True,
                                      interrupt_on_timeout=False, shutdown_kernel="graceful",
                                      resources={"metadata": {"path": str(cwd)}})
+        self.pid: int | None = None
+        self.tree: list[psutil.Process] = []
+
+    def start(self, env: dict[str, str], sockets: Path) -> None:
+        """Start the kernel with `env`, talking over Unix sockets in the folder `sockets`."""
         self.client.km = self.client.create_kernel_manager()
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
-        self.pid: int | None = None
-        self.tree: list[psutil.Process] = []
         self.client.start_new_kernel(env=env)
         self.pid = self.client.km.provisioner.pid
         self.client.start_new_kernel_client()
@@ -134,7 +137,8 @@ class KernelSession:
         Returns the PIDs that had to be killed."""
         self._remember_tree()
         try:
-            self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
+            if self.client.km is not None:
+                self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
         except Exception:  # noqa: BLE001 - the kill below is the backstop
             pass
         _, alive = psutil.wait_procs(self.tree, timeout=5)
@@ -190,7 +194,8 @@ def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
     session = None
     try:
-        session = KernelSession(nb, sub.path.resolve().parent, env, work)
+        session = KernelSession(nb, sub.path.resolve().parent)
+        session.start(env, work)
         note = ""
         deadline = time.monotonic() + notebook_timeout
         for i, cell in enumerate(code):

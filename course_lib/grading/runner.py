@@ -137,7 +137,7 @@ def _run_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> list[Row]:
 
 
 def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float) -> list[Row]:
-    from course_lib.cluster import RankError, RankTimeout
+    from course_lib.cluster import ClusterError, RankError, RankTimeout
 
     world = cluster.world_size
     expected = [_expected(ex, c, r, world) for r in range(world)]
@@ -150,6 +150,11 @@ def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float
     except RankError as exc:  # the call never ran or its result could not come back
         outs = [{"status": "lost", "note": exc.failures.get(r, "no result: another rank failed")}
                 for r in range(world)]
+    except ClusterError:  # a stopped or broken cluster: not the learner's function's fault
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. the function cannot be sent to the engines
+        note = f"could not send it to the engines: {type(exc).__name__}: {exc}"
+        outs = [{"status": "lost", "note": note}] * world
     rows = [_outcome_row(r, out, expected[r], ex, limit) for r, out in enumerate(outs)]
     if ex.total is not None:
         if all(out["status"] == "ok" for out in outs):
