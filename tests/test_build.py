@@ -143,3 +143,20 @@ def test_export_errors(repo: Path):
     nb.cells[6].source = "#| export\n%time TAU = 1"
     with pytest.raises(build.BuildError, match="magics cannot be exported"):
         build.exported_module(nb, path.name)
+
+
+def test_editing_a_lesson_export_cell_in_a_copy_of_this_repo_fails_check(tmp_path: Path):
+    for folder in ("solutions", "notebooks", "course_lib"):
+        shutil.copytree(ROOT / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    assert build.stale(tmp_path) == []
+    exported = [(path, i) for path in sorted((tmp_path / "solutions").glob("*.ipynb"))
+                for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
+                if cell.cell_type == "code" and cell.source.startswith("#| export")]
+    assert exported, "no lesson exports a module yet"
+    path, index = exported[0]
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[index].source += "\n# an edit nobody rebuilt"
+    nbformat.write(nb, path)
+    module = build.exported_module(nb, path.name)[0]
+    assert build.stale(tmp_path) == [f"stale: {module}", f"stale: notebooks/{path.name}"]
