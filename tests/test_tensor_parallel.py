@@ -103,6 +103,7 @@ def _attention_checks(rank: int, world: int, causal: bool, steps: int) -> dict[s
             nn.functional.mse_loss(model(xb), target).backward()
             opt.step()
     errs["train.qkv.w"] = _max_err(tp.qkv.weight, shard(mha.in_proj_weight, 0, rank, world, 3))
+    errs["train.qkv.b"] = _max_err(tp.qkv.bias, shard(mha.in_proj_bias, 0, rank, world, 3))
     errs["train.out.w"] = _max_err(tp.out_proj.weight, shard(mha.out_proj.weight, 1, rank, world))
     errs["train.out.b"] = _max_err(tp.out_proj.bias, mha.out_proj.bias)
     return {tag + k: v for k, v in errs.items()}
