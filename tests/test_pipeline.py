@@ -19,14 +19,7 @@ from course_lib.spawn import spawn
 RTOL, ATOL = 1e-9, 1e-12
 BATCH, MICROBATCHES, TRAIN_STEPS = 8, (1, 4, 8), 3
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-BACKENDS = ["gloo"]
-try:  # the scratch backend joins once course_lib.dist has its rendezvous (lessons 01-02)
-    from course_lib import dist as _scratch
-
-    if hasattr(_scratch, "listen"):
-        BACKENDS.append("scratch")
-except ImportError:
-    pass
+BACKENDS = ["gloo", "scratch"]  # torch.distributed and course_lib.dist, same code
 
 
 def _model() -> nn.Sequential:
