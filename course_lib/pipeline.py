@@ -115,6 +115,7 @@ class PipelineStage:
         self.prev = None if self.is_first else self._global(stage_index - 1)
         self.next = None if self.is_last else self._global(stage_index + 1)
         self._posted: dict[tuple[int, int], tuple] = {}
+        self._sending: list[tuple] = []  # (work, tensor kept alive until sent, peer, what)
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -124,17 +125,29 @@ class PipelineStage:
         return self.dist.get_global_rank(self.group, group_rank)
 
     def _fail(self, what: str, peer: int, exc: Exception) -> RuntimeError:
-        return RuntimeError(f"pipeline stage {self.stage_index}: {what} with rank {peer} "
-                            f"failed: {exc}")
+        me = self.dist.get_rank()
+        return RuntimeError(f"pipeline stage {self.stage_index} (rank {me}): {what} with rank "
+                            f"{peer} failed: {exc}")
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, microbatch: int) -> list:
-        """Start sending header + tensor; returns the Works (wait on them before reuse)."""
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, microbatch: int) -> None:
+        """Start sending header + tensor to `dst`; `wait_sends` waits for all of them."""
         tensor = tensor.detach().contiguous()
+        what = f"isend (tag {tag}) of micro-batch {microbatch}"
         try:
-            return [self.dist.isend(_header(tensor, microbatch), dst, group=self.group, tag=tag),
-                    self.dist.isend(tensor, dst, group=self.group, tag=tag)]
+            for t in (_header(tensor, microbatch), tensor):
+                self._sending.append((self.dist.isend(t, dst, group=self.group, tag=tag), t,
+                                      dst, what))
         except Exception as exc:
-            raise self._fail(f"isend (tag {tag}) of micro-batch {microbatch}", dst, exc) from exc
+            raise self._fail(what, dst, exc) from exc
+
+    def wait_sends(self) -> None:
+        """Wait until every started send is done (each wait bounded by the group's timeout)."""
+        while self._sending:
+            work, _, dst, what = self._sending.pop(0)
+            try:
+                work.wait()
+            except Exception as exc:
+                raise self._fail(what, dst, exc) from exc
 
     def irecv(self, src: int, tag: int, microbatch: int, like: torch.Tensor) -> None:
         """Post the receives of header + a tensor shaped like `like` now (the micro-batches of a
@@ -225,7 +238,6 @@ class PipelineSchedule:
         self._inputs = [self._split(a, "input") for a in args]
         self._targets = self._split(target, "target") if st.is_last else None
         self._stash: dict[int, tuple] = {}
-        self._works: list = []
         self._outputs: list[torch.Tensor] = []
         self._losses = losses
         self.events, self._live, self._live_bytes = [], 0, 0
@@ -237,9 +249,8 @@ class PipelineSchedule:
                              f"{m} micro-batches once, got {actions}")
         for action, mb in actions:
             (self._forward if action == "F" else self._backward)(mb)
-        for work in self._works:
-            work.wait()
-        self._works, self._stash = [], {}
+        st.wait_sends()
+        self._stash = {}
         return torch.cat(self._outputs) if st.is_last else None
 
     def _split(self, tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, ...]:
@@ -281,7 +292,7 @@ class PipelineSchedule:
             if self._losses is not None:
                 self._losses.append(loss.detach())
         else:
-            self._works += st.send(out, st.next, ACTIVATION_TAG, mb)
+            st.send(out, st.next, ACTIVATION_TAG, mb)
 
     def _backward(self, mb: int) -> None:
         st = self.stage
@@ -300,7 +311,7 @@ class PipelineSchedule:
         self._live -= 1
         self._live_bytes -= nbytes
         if not st.is_first:
-            self._works += st.send(x.grad, st.prev, GRADIENT_TAG, mb)
+            st.send(x.grad, st.prev, GRADIENT_TAG, mb)
 
 
 def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[tuple[str, int]]:

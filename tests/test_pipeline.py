@@ -7,6 +7,7 @@ batch does, so gradients and parameters agree to rtol=1e-9, atol=1e-12.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -258,3 +259,22 @@ def test_benchmark_summary_measures_bubble_from_events():
     assert row["bubble"] == pytest.approx(1 / 3) and row["ideal_bubble"] == pytest.approx(1 / 3)
     assert row["step_s"] == 6.0 and row["peak_live_per_stage"] == "2/2"
     assert row["peak_act_MiB"] == 1.0
+
+
+def _peer_gone(rank: int, world: int) -> str:
+    if rank == 1:
+        return "left without running its stage"
+    stage = PipelineStage(split_sequential(_model(), world)[rank], rank, world)
+    try:
+        ScheduleGPipe(stage, 2, loss_fn=nn.functional.mse_loss).step(_batch(0)[0])
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stage_whose_peer_is_gone_fails_naming_stage_rank_and_peer(backend):
+    msg = spawn(_peer_gone, 2, backend=backend, timeout=60)[0]
+    # gloo fails the receive of the first gradient; the scratch backend already the next send.
+    assert re.match(r"pipeline stage 0 \(rank 0\): (recv|isend).* of .*micro-batch \d with rank 1 "
+                    r"failed", msg), msg
