@@ -5,8 +5,10 @@ One grading run covers them all (a kernel start costs ~1-2 s); each test reads i
 
 import csv
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -156,15 +158,18 @@ def test_results_written_after_each_submission(graded):
     assert json.loads((graded["out"] / "grades.json").read_text()) == graded["rows"]
 
 
-def test_command_line(tmp_path):
+def test_command_line_and_resume(tmp_path):
     sub = _make(tmp_path / "subs" / "97_fixture.ipynb")
     bad = tmp_path / "subs" / "nobody.ipynb"
     bad.write_text("not json")
-    run = subprocess.run([sys.executable, "-m", "course_lib.grading.cli", str(sub), str(bad),
-                          "--out", str(tmp_path / "out"), "--exercises", str(EXERCISES),
-                          "--timeout-exercise", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    command = [sys.executable, "-m", "course_lib.grading.cli", "--out", str(tmp_path / "out"),
+               "--exercises", str(EXERCISES), "--timeout-exercise", "1"]
+    first = subprocess.run(command + [str(sub)], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(command + ["--resume", str(sub), str(bad)], capture_output=True,
+                           text=True, timeout=120)  # as after an interrupted run
+    assert again.returncode == 0, again.stderr
+    assert "97_fixture" in again.stderr and "already graded, skipped" in again.stderr
     with open(tmp_path / "out" / "grades.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [(r["student"], r["exercise"], r["points"]) for r in table] == [
@@ -181,3 +186,31 @@ def test_command_line_rejects_bad_limits(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([str(tmp_path / "missing.ipynb"), "--out", str(tmp_path), "--lesson", "nope"])
     assert "unknown lesson 'nope'" in capsys.readouterr().err
+
+
+def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
+    first = _make(tmp_path / "subs" / "a_97_fixture.ipynb")
+    hang = _make(tmp_path / "subs" / "b_97_fixture.ipynb", extra=[SPAWN_AND_HANG])
+    grader_run = subprocess.Popen(
+        [sys.executable, "-m", "course_lib.grading.cli", str(first), str(hang), "--out",
+         str(tmp_path / "out"), "--exercises", str(EXERCISES)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids = tmp_path / "subs" / "pids.txt"
+    try:
+        deadline = time.monotonic() + 120
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids.exists(), "the second submission never started"
+        time.sleep(0.5)
+        grader_run.terminate()  # SIGTERM while the second notebook hangs
+        assert grader_run.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if grader_run.poll() is None:
+            grader_run.kill()
+    rows = json.loads((tmp_path / "out" / "grades.json").read_text())
+    assert [(r["student"], r["points"]) for r in rows] == [("a_97_fixture", 2.0),
+                                                            ("a_97_fixture", 1.0)]
+    kernel_pid, child_pid = map(int, pids.read_text().split())
+    gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"
+            for p in (kernel_pid, child_pid)]
+    assert gone == [True, True]

@@ -57,6 +57,14 @@ def hangs_on_rank_1(rank, world_size, n):
     return 0
 
 
+def exits_on_rank_0(rank, world_size, n):
+    import os
+
+    if rank == 0:
+        os._exit(3)
+    return 0
+
+
 @pytest.fixture(scope="module")
 def cluster():
     # The engines cannot import this test module: ship its functions by value, as a
@@ -99,11 +107,18 @@ def test_partial_credit_is_by_case(cluster):
 def test_deadlock_on_one_rank_cut_off_then_cluster_usable(cluster):
     result = grade_function(NAME, hangs_on_rank_1, cluster, time_limit=3)
     assert result.points == 0.0
-    assert result.reason == ("timed out: n=10 did not finish within 3s on rank(s) 1 "
-                             "(an endless loop or a deadlock?)")
+    assert result.reason.startswith("timed out: n=10 did not finish within 3s on rank(s) 1 "
+                                    "(an endless loop or a deadlock?)")
     again = grade_function(NAME, _defined_in(ROOT / "solutions" / "00_cluster.ipynb",
                                              "shard_sum"), cluster)
     assert again.points == 2.0, str(again)
+
+
+def test_engine_killed_by_the_function_is_reported(cluster):  # last user of `cluster`
+    result = grade_function(NAME, exits_on_rank_0, cluster)
+    assert result.points == 0.0
+    assert result.reason.startswith("an engine died during n=10")
+    assert [r.note for r in result.cases[1].rows] == ["not run"]
 
 
 def test_batch_grading_solution_and_student_release(tmp_path):

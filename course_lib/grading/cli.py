@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "00_cluster) instead of telling it from the file")
     parser.add_argument("--exercises", action="append", default=[], metavar="FILE.py",
                         help="a .py file registering extra exercises (repeatable)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in DIR/grades.json and skip their notebooks "
+                             "(after an interrupted run)")
     args = parser.parse_args(argv)
     for name, value in (("--timeout-notebook", args.timeout_notebook),
                         ("--timeout-exercise", args.timeout_exercise)):
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = grade_all(args.submissions, args.out, notebook_timeout=args.timeout_notebook,
                          exercise_timeout=args.timeout_exercise, lesson=args.lesson,
-                         exercise_files=args.exercises,
+                         exercise_files=args.exercises, resume=args.resume,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))

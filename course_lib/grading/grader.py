@@ -270,8 +270,9 @@ def write_results(rows: list[dict], out_dir: Path) -> None:
 def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
               notebook_timeout: float = 600.0, exercise_timeout: float | None = None,
               lesson: str | None = None, exercise_files: list[str] = (),
-              progress=print) -> list[dict]:
-    """Grade every submission, writing the results after each one; returns all rows."""
+              resume: bool = False, progress=print) -> list[dict]:
+    """Grade every submission, writing the results after each one; returns all rows.
+    With `resume`, rows already in `out_dir/grades.json` are kept and their notebooks skipped."""
     if exercise_files:
         os.environ[EXTRA_ENV] = os.pathsep.join(
             [p for p in os.environ.get(EXTRA_ENV, "").split(os.pathsep) if p]
@@ -279,8 +280,13 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
     if lesson and lesson not in lessons():
         raise ValueError(f"unknown lesson {lesson!r}; lessons with exercises: {lessons()}")
     out = Path(out_dir)
-    rows: list[dict] = []
+    previous = out / "grades.json"
+    rows: list[dict] = json.loads(previous.read_text()) if resume and previous.exists() else []
+    done = {r["notebook"] for r in rows}
     for sub in collect(paths):
+        if str(sub.path) in done:
+            progress(f"{sub.student} ({sub.path}): already graded, skipped")
+            continue
         start = time.monotonic()
         new = grade_submission(sub, notebook_timeout=notebook_timeout,
                                exercise_timeout=exercise_timeout, lesson=lesson)

@@ -22,6 +22,11 @@ def _cluster(world_size: int, backend: str, timeout: float) -> Any:
     key = (world_size, backend)
     if key not in _CLUSTERS:
         _CLUSTERS[key] = cluster.start(world_size, backend=backend, timeout=timeout)
+    else:
+        try:  # an earlier exercise may have killed an engine
+            _CLUSTERS[key].run(int, timeout=timeout)
+        except cluster.ClusterError:
+            _CLUSTERS[key].restart()
     return _CLUSTERS[key]
 
 

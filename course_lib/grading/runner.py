@@ -129,27 +129,35 @@ def _expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None 
     return ex.reference(*args, **kwargs)
 
 
-def _run_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> list[Row]:
+def _run_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> tuple[list[Row], str]:
     expected = _expected(ex, c)
     args, kwargs = copy.deepcopy((c.args, c.kwargs))
-    return [_outcome_row(None, call_with_limit(fn, ex.harness, args, kwargs, limit), expected,
-                         ex, limit)]
+    out = call_with_limit(fn, ex.harness, args, kwargs, limit)
+    return [_outcome_row(None, out, expected, ex, limit)], ""
 
 
-def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float) -> list[Row]:
-    from course_lib.cluster import ClusterError, RankError, RankTimeout
+def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any,
+                 limit: float) -> tuple[list[Row], str]:
+    """Rows per rank (and the total), and why the remaining cases cannot run, if so."""
+    from course_lib.cluster import ClusterError, EngineDied, RankError, RankTimeout
 
     world = cluster.world_size
     expected = [_expected(ex, c, r, world) for r in range(world)]
+    halt = ""
     try:
         outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
     except RankTimeout as exc:
         outs = [{"status": "timeout"} if r in exc.failures else
                 {"status": "lost", "note": "finished, but other ranks hung"}
                 for r in range(world)]
+        halt = getattr(exc, "note", "")
     except RankError as exc:  # the call never ran or its result could not come back
         outs = [{"status": "lost", "note": exc.failures.get(r, "no result: another rank failed")}
                 for r in range(world)]
+        # ipyparallel may report an engine that exited mid-task as a plain EngineError
+        if isinstance(exc, EngineDied) or any("EngineError" in m for m in exc.failures.values()):
+            halt = (f"an engine died during {c.describe(ex.function)} (did the function exit "
+                    "the process?); call .restart() on the cluster")
     except ClusterError:  # a stopped or broken cluster: not the learner's function's fault
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. the function cannot be sent to the engines
@@ -164,7 +172,7 @@ def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float
         else:
             rows.append(Row("all", False, show(ex.total(expected)), "no result",
                             "some ranks gave no value"))
-    return rows
+    return rows, halt
 
 
 def _summary(ex: Exercise, cases: list[CaseResult], stopped: str) -> tuple[float, str]:
@@ -210,8 +218,8 @@ def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
         if stopped:
             cases.append(CaseResult(label, [Row(None, False, "", "", "not run")]))
             continue
-        rows = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
-                else _run_local(ex, c, fn, limit))
+        rows, halt = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
+                      else _run_local(ex, c, fn, limit))
         cases.append(CaseResult(label, rows))
         notes = [r.note for r in rows if not r.passed]
         if any(n == "not implemented yet" for n in notes):
@@ -221,7 +229,9 @@ def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
                      if r.rank is not None and r.note.startswith("timed out")]
             ranks = f" on rank(s) {', '.join(where)}" if where else ""
             stopped = (f"timed out: {label} did not finish within {limit:g}s{ranks} "
-                       "(an endless loop or a deadlock?)")
+                       f"(an endless loop or a deadlock?){'; ' + halt if halt else ''}")
+        elif halt:
+            stopped = halt
     points, reason = _summary(ex, cases, stopped)
     return Result(ex.name, points, float(ex.points), reason, cases, ex.hint)
 
