@@ -161,6 +161,8 @@ class DistributedDataParallel(nn.Module):
                  find_unused_parameters: bool = False, group: Any = None,
                  dist: Any = None) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
         self.module = module
         self.dist = default_dist(dist)
         self.group = group

@@ -161,6 +161,13 @@ def ddp_worker(rank: int, world: int, with_torch: bool) -> dict:
         out["unused_error"] = None
     except RuntimeError as exc:
         out["unused_error"] = str(exc)
+    # Ranks that wrap different models fail at construction, on every rank, instead of hanging.
+    odd = nn.Linear(IN, OUT + (rank == world - 1)).double()
+    try:
+        ours.DistributedDataParallel(odd)
+        out["layout_error"] = None
+    except RuntimeError as exc:
+        out["layout_error"] = str(exc)
     return portable(out)
 
 
@@ -207,6 +214,7 @@ def check_parity(results: list[dict], world: int, with_torch: bool) -> None:
             torch.testing.assert_close(as_tensor(ours_state), as_tensor(torch_state), **TOL)
             assert ours_none and torch_none  # unused everywhere: .grad stays None
         assert "got no gradient" in res["unused_error"] and "unused.weight" in res["unused_error"]
+        assert f"rank {rank} found 1 rank(s)" in res["layout_error"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -310,3 +318,5 @@ def test_no_sync_skips_communication_and_bad_models_fail_clearly():
     frozen = nn.Linear(3, 1).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires grad"):
         DistributedDataParallel(frozen, dist=rec)
+    with pytest.raises(TypeError, match="wraps an nn.Module"):
+        DistributedDataParallel(lambda x: x, dist=rec)
