@@ -13,7 +13,8 @@ import torch
 
 from course_lib.spawn import spawn
 
-SIZES = [0, 1, 7, 1001, 70001]  # 70001 float32 > one 256 KiB segment: exercises pipelining
+SIZES = [0, 1, 7, 1001, 70001]
+SEGMENT_BYTES = 64 * 1024  # so that 70001 elements travel in several pipelined segments
 DTYPES = [torch.float32, torch.int64]
 ALGORITHMS = ["naive", "ring", "tree", "auto"]
 
@@ -135,7 +136,9 @@ def check_all(rank: int, world: int, group=None, members=None) -> list[str]:
 
 def run_parity(rank: int, world: int) -> list[str]:
     from course_lib import dist
+    from course_lib.dist import collectives
 
+    collectives.SEGMENT_BYTES = SEGMENT_BYTES
     bad = check_all(rank, world)
     if world >= 3:  # sub-groups: global ranks in src/dst, members only
         evens, odds = [r for r in range(world) if r % 2 == 0], [r for r in range(world) if r % 2]

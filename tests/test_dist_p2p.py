@@ -178,8 +178,8 @@ def test_handshake_needs_the_secret():
             client_handshake(a, client_secret, 1, 0, time.monotonic() + 5)
         except (ProtocolError, OSError) as exc:
             result["client_error"] = str(exc)
+        a.close()  # hang up, as a connecting rank does on a failed handshake
         t.join()
-        a.close()
         return result
 
     assert attempt(b"s" * 32) == {"peer": 1}

@@ -14,7 +14,7 @@ import torch
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
 from course_lib.dist.peer import Work
 
-SEGMENT_BYTES = 256 * 1024  # pipelining unit for large messages
+SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 AUTO_TREE_MAX_BYTES = 64 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
 ALGORITHMS = ("auto", "naive", "ring", "tree")
 

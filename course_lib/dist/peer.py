@@ -19,10 +19,10 @@ import torch
 
 from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError, describe
 from course_lib.dist.wire import (ABORT_TAG, HEADER, PeerClosed, WireTimeout, byte_view,
-                                  decode_header, encode_header, recv_exact, send_frame)
+                                  decode_header, encode_header, recv_exact, send_frame,
+                                  send_parts, try_send)
 
 log = logging.getLogger("course_lib.dist")
-EAGER_BYTES = 64 * 1024  # isend of at most this many bytes goes out on the caller's thread
 
 
 def seconds(timeout: float | timedelta) -> float:
@@ -30,21 +30,25 @@ def seconds(timeout: float | timedelta) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
+_EVENT_LOCK = threading.Lock()
+
+
 class Work:
     """An operation in flight; `wait()` blocks until it is done, bounded by its deadline."""
 
-    def __init__(self, deadline: float, what: tuple[int, str, str, int | None],
-                 done: bool = False, error: BaseException | None = None):
+    def __init__(self, deadline: float, what: tuple[int, str, str, int | None]):
         self.deadline, self.started = deadline, time.monotonic()
         self._what = what  # (rank, op, direction, peer) for error messages
-        self._done = threading.Event()
-        self._error = error
-        if done:
-            self._done.set()
+        self._done = False
+        self._event: threading.Event | None = None  # made only if someone has to wait
+        self._error: BaseException | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._done.set()
+        with _EVENT_LOCK:
+            self._done, event = True, self._event
+        if event is not None:
+            event.set()
 
     def _timeout_error(self) -> DistTimeoutError:
         rank, op, direction, peer = self._what
@@ -54,7 +58,7 @@ class Work:
         return DistTimeoutError(message, rank=rank, peer=peer, op=op)
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -62,7 +66,11 @@ class Work:
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until done; raise the operation's error, or DistTimeoutError on expiry."""
         deadline = self.deadline if timeout is None else time.monotonic() + seconds(timeout)
-        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+        with _EVENT_LOCK:
+            if not self._done and self._event is None:
+                self._event = threading.Event()
+            event = None if self._done else self._event
+        if event is not None and not event.wait(max(0.0, deadline - time.monotonic())):
             raise self._timeout_error()
         if self._error is not None:
             raise self._error
@@ -80,7 +88,6 @@ class RecvRequest(Work):
         self.peer, self.target, self.tag, self.op = peer, target, tag, op
         self.buffer = target if target.is_contiguous() else torch.empty_like(
             target, memory_format=torch.contiguous_format)
-        self.view = byte_view(self.buffer)
         self.state = POSTED
 
     def _complete(self, error: BaseException | None = None) -> None:
@@ -158,42 +165,63 @@ class Peer:
 
     def isend(self, tensor: torch.Tensor, tag: int, op: str, deadline: float,
               blocking: bool = False) -> Work:
-        """Send `tensor` in order after earlier sends; small (or blocking) ones on this thread."""
+        """Send `tensor` after earlier sends to this peer.
+
+        What fits in the socket buffer goes out at once on this thread (no thread hop for
+        small messages); the rest is left to the sender thread, unless `blocking`.
+        """
         tensor = tensor.detach().contiguous()
-        header, view = encode_header(tag, tensor), byte_view(tensor)
+        parts = [encode_header(tag, tensor), byte_view(tensor)]
         work = Work(deadline, (self.rank, op, "send to", self.peer))
         with self._send_cond:
             self._check_alive(op, "send to")
-            if self._send_queue or self._writing or not (blocking or len(view) <= EAGER_BYTES):
-                self._send_queue.append((work, header, view, tensor))
-                self._send_cond.notify_all()
-                self._ensure_thread("sender", self._sender_loop)
-                return work
+            if self._send_queue or self._writing:
+                return self._enqueue(work, parts, tensor)
             self._writing = True
+        rest: list = []
         try:
-            self._write(work, header, view)
+            rest = self._write(work, parts, wait=blocking)
         finally:
             with self._send_cond:
+                if rest:
+                    self._enqueue(work, rest, tensor, first=True)
                 self._writing = False
                 self._send_cond.notify_all()
         return work
 
-    def _write(self, work: Work, header: bytes, view: memoryview) -> None:
+    def _enqueue(self, work: Work, parts: list, tensor: torch.Tensor,
+                 first: bool = False) -> Work:
+        """Queue for the sender thread (call with _send_cond held)."""
+        item = (work, parts, tensor)  # the tensor stays referenced until its bytes are out
+        self._send_queue.appendleft(item) if first else self._send_queue.append(item)
+        self._send_cond.notify_all()
+        self._ensure_thread("sender", self._sender_loop)
+        return work
+
+    def _write(self, work: Work, parts: list, wait: bool) -> list:
+        """Send `parts` (with wait=False only what fits now); returns what is left."""
         op = work._what[1]
         try:
-            send_frame(self._wsock, header, view, work.deadline)
+            if wait:
+                send_parts(self._wsock, parts, work.deadline)
+                rest = []
+            else:
+                rest = try_send(self._wsock, parts)
         except WireTimeout:
             # Part of a frame may be out: the stream is no longer in step, so the link is dead.
             reason = (f"timed out after {time.monotonic() - work.started:.1f}s "
                       "(the peer is not receiving)")
             self._fatal(op, "send to", reason)
             work._finish(self._error(op, "send to", reason, timeout=True))
+            return []
         except OSError as exc:
             reason = self.dead or f"connection lost ({exc.strerror or exc})"
             self._fatal(op, "send to", reason)
             work._finish(self._error(op, "send to", reason))
-        else:
+            return []
+        if not rest:
             work._finish()
+        return rest
 
     def _sender_loop(self) -> None:
         while True:
@@ -202,10 +230,10 @@ class Peer:
                     self._send_cond.wait()
                 if self.dead is not None:
                     return
-                work, header, view, _ = self._send_queue.popleft()
+                work, parts, _ = self._send_queue.popleft()
                 self._writing = True
             try:
-                self._write(work, header, view)
+                self._write(work, parts, wait=True)
             finally:
                 with self._send_cond:
                     self._writing = False
@@ -331,8 +359,10 @@ class Peer:
                         self._expire(req)
                 return
             tag, dtype, shape, nbytes = decode_header(self._header)
-            # The sender has started this frame: allow it a full timeout to finish.
-            payload_deadline = max(deadline, time.monotonic() + self.timeout)
+            # The sender has started this frame: allow it time to finish (a full timeout if
+            # the reader's own deadline is close; the same deadline saves re-arming it).
+            now = time.monotonic()
+            payload_deadline = deadline if deadline - now > 1.0 else now + self.timeout
             if tag == ABORT_TAG:
                 text = bytearray(nbytes)
                 recv_exact(self._rsock, memoryview(text), payload_deadline)
@@ -354,7 +384,7 @@ class Peer:
                 return
             error = self._mismatch(target, dtype, shape, tag)
             if error is None:
-                recv_exact(self._rsock, target.view, payload_deadline)
+                recv_exact(self._rsock, byte_view(target.buffer), payload_deadline)
             else:
                 self._drain(nbytes, payload_deadline)
             with self._cond:

@@ -117,18 +117,40 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         got += k
 
 
-def send_frame(sock: socket.socket, header: bytes, view: memoryview, deadline: float) -> None:
-    """Send header and payload with one gathering sendmsg (sendall finishes any remainder)."""
+def _skip(parts: list, n: int) -> list[memoryview]:
+    """What is left of `parts` after the first `n` bytes went out."""
+    left = []
+    for part in parts:
+        part = memoryview(part)
+        if n >= len(part):
+            n -= len(part)
+        else:
+            left.append(part[n:])
+            n = 0
+    return left
+
+
+def try_send(sock: socket.socket, parts: list) -> list[memoryview]:
+    """Send what fits in the socket buffer right now (never blocks); returns the rest."""
     try:
-        _set_timeout(sock, socket.SO_SNDTIMEO, deadline)
-        sent = sock.sendmsg([header, view])
-        if sent < len(header):
-            sock.sendall(memoryview(header)[sent:])
-            sent = len(header)
-        if sent - len(header) < len(view):
-            sock.sendall(view[sent - len(header):])
+        return _skip(parts, sock.sendmsg(parts, [], socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return parts
+
+
+def send_parts(sock: socket.socket, parts: list, deadline: float) -> None:
+    """Send all of `parts` (gathering sendmsg, no copy) by `deadline` or raise WireTimeout."""
+    try:
+        while parts:
+            _set_timeout(sock, socket.SO_SNDTIMEO, deadline)
+            parts = _skip(parts, sock.sendmsg(parts))
     except (BlockingIOError, TimeoutError):
         raise WireTimeout() from None
+
+
+def send_frame(sock: socket.socket, header: bytes, view: memoryview, deadline: float) -> None:
+    """Send a header and its payload."""
+    send_parts(sock, [header, view], deadline)
 
 
 # --- handshake: both ends prove they know the cluster's secret before any tensor moves -------
