@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from course_lib.grading.runner import GRADING_ENV
 FIELDS = ("student", "exercise", "points", "max_points", "reason", "notebook")
 PROBE_SECONDS = 15      # a kernel that cannot run `pass` in this long is killed
 CLUSTER_START_SECONDS = 90  # allowance for the grader's own cluster (distributed exercises)
+TREE_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class KernelSession:
                                      resources={"metadata": {"path": str(cwd)}})
         self.pid: int | None = None
         self.tree: list[psutil.Process] = []
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
 
     def start(self, env: dict[str, str], sockets: Path) -> None:
         """Start the kernel with `env`, talking over Unix sockets in the folder `sockets`."""
@@ -92,11 +96,16 @@ class KernelSession:
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
         self.client.start_new_kernel(env=env)
         self.pid = self.client.km.provisioner.pid
+        # Keep noting the kernel's descendants: if the kernel dies, they are re-parented.
+        threading.Thread(target=self._watch_tree, daemon=True, name="course-grade-tree").start()
         self.client.start_new_kernel_client()
+
+    def _watch_tree(self) -> None:
+        while not self._closing.wait(TREE_POLL_SECONDS):
+            self._remember_tree()
 
     def run(self, cell: nbformat.NotebookNode, index: int, timeout: float) -> str:
         """Execute one cell: "ok" (errors included), "timeout" or "dead"."""
-        self._remember_tree()
         self.client.timeout = max(1, math.ceil(timeout))
         try:
             self.client.execute_cell(cell, index)
@@ -105,8 +114,12 @@ class KernelSession:
             return "timeout"
         except DeadKernelError:
             return "dead"
-        finally:
-            self._remember_tree()
+
+    def run_code(self, source: str, timeout: float) -> tuple[str, nbformat.NotebookNode]:
+        """Append a cell with `source` to the notebook and run it."""
+        cell = nbformat.v4.new_code_cell(source)
+        self.client.nb.cells.append(cell)
+        return self.run(cell, len(self.client.nb.cells) - 1, timeout), cell
 
     def recover(self) -> bool:
         """After a timeout: interrupt the kernel and check it answers again."""
@@ -118,27 +131,27 @@ class KernelSession:
         self.client.kc.stop_channels()
         self.client.kc = None
         self.client.start_new_kernel_client()
-        probe = nbformat.v4.new_code_cell("pass")
-        self.client.nb.cells.append(probe)
-        return self.run(probe, len(self.client.nb.cells) - 1, PROBE_SECONDS) == "ok"
+        return self.run_code("pass", PROBE_SECONDS)[0] == "ok"
 
     def _remember_tree(self) -> None:
         """Note the kernel's descendants (engines...) while they still have it as parent."""
         try:
             kernel = psutil.Process(self.pid)
-            for p in [kernel] + kernel.children(recursive=True):
-                if p not in self.tree:
-                    self.tree.append(p)
+            found = [kernel] + kernel.children(recursive=True)
         except (psutil.Error, TypeError):
-            pass
+            return
+        with self._lock:
+            self.tree += [p for p in found if p not in self.tree]
 
     def close(self) -> list[int]:
         """Shut the kernel down (its atexit stops clusters), then kill whatever is left.
         Returns the PIDs that had to be killed."""
+        if self.client.km is None:
+            return []
         self._remember_tree()
+        self._closing.set()
         try:
-            if self.client.km is not None:
-                self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
+            self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
         except Exception:  # noqa: BLE001 - the kill below is the backstop
             pass
         _, alive = psutil.wait_procs(self.tree, timeout=5)
@@ -164,89 +177,102 @@ def _cell_error(cell: nbformat.NotebookNode) -> str:
     return "no result"
 
 
-def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
-                     exercise_timeout: float | None = None,
-                     lesson: str | None = None) -> list[dict]:
-    """One row per exercise of the submission's lesson (or one row if that cannot be told)."""
-    def rows_for(exs: list[Exercise], reason: str) -> list[dict]:
-        return [_row(sub.student, sub.path, e.name, 0.0, float(e.points), reason) for e in exs]
-
+def _read(sub: Submission, lesson: str | None) -> tuple:
+    """(notebook or None, its lesson's exercises, why it cannot be run or "")."""
     try:
-        nb = nbformat.read(sub.path, as_version=4)
-        error = None
+        nb, error = nbformat.read(sub.path, as_version=4), ""
     except Exception as exc:  # noqa: BLE001 - bad JSON, bad schema, unreadable file
         nb, error = None, f"not a valid notebook: {type(exc).__name__}: {exc}"
     name = lesson_of(sub.path, nb, lesson)
     exercises = exercises_for(name) if name else []
-    if not exercises:
-        reason = error or (f"no exercises registered for lesson {name!r}" if name else
-                           "cannot tell which lesson this is: name the file after it "
-                           "(e.g. 00_cluster.ipynb) or pass --lesson")
-        return [_row(sub.student, sub.path, "", 0.0, 0.0, reason)]
-    if error:
-        return rows_for(exercises, error)
+    if not exercises and not error:
+        error = (f"no exercises registered for lesson {name!r}" if name else
+                 "cannot tell which lesson this is: name the file after it "
+                 "(e.g. 00_cluster.ipynb) or pass --lesson")
+    return nb, exercises, error
 
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    for c in code:
+
+def _run_notebook(session: KernelSession, cells: list, timeout: float) -> tuple[str, str]:
+    """Run the submission's own cells within `timeout` seconds in all.
+    Returns (a note for every reason, why nothing can be graded or "")."""
+    deadline = time.monotonic() + timeout
+    for i, cell in enumerate(cells):
+        left = deadline - time.monotonic()
+        status = session.run(cell, i, left) if left > 0 else "timeout"
+        if status == "dead":
+            return "", (f"the kernel died while running code cell {i + 1} "
+                        "(a crash or exit in the notebook)")
+        if status == "timeout":
+            note = (f"the notebook ran past its {timeout:g}s limit at code cell {i + 1}; "
+                    "the cells after it were not run. ")
+            if not session.recover():
+                return "", note + "The kernel did not respond afterwards."
+            return note, ""
+    return "", ""
+
+
+def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
+                exercise_timeout: float | None) -> list[tuple[Exercise, float, str]]:
+    """The package's checks, one injected cell each: (exercise, points, reason) per exercise."""
+    graded, hung = [], ""
+    for k, ex in enumerate(exercises):
+        if hung:
+            graded.append((ex, 0.0, f"not graded: {hung}"))
+            continue
+        out = work / f"{k}.json"
+        limit = (exercise_timeout or ex.time_limit) * len(ex.cases) + 15
+        limit += CLUSTER_START_SECONDS if ex.distributed else 0
+        status, cell = session.run_code(_check_source(ex, out, exercise_timeout), limit)
+        if status == "ok" and out.exists():
+            result = Result.from_dict(json.loads(out.read_text()))
+            graded.append((ex, result.points, result.reason))
+            continue
+        if status == "ok":
+            reason = f"grader error: {_cell_error(cell)}"
+        elif status == "dead":
+            reason = hung = f"the kernel died while checking {ex.name}"
+        else:
+            reason = f"timed out: checking {ex.name} took over {limit:g}s and was cut off"
+            if not session.recover():
+                hung = f"the kernel hung in {ex.name} and was killed"
+        graded.append((ex, 0.0, reason))
+    if not hung and any(e.distributed for e in exercises):
+        session.run_code("from course_lib.grading.in_kernel import stop_clusters\n"
+                         "stop_clusters()", 60)
+    return graded
+
+
+def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
+                     exercise_timeout: float | None = None,
+                     lesson: str | None = None) -> list[dict]:
+    """One row per exercise of the submission's lesson (or one row if that cannot be told)."""
+    nb, exercises, error = _read(sub, lesson)
+
+    def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
+        return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
+                for ex, points, reason in graded]
+
+    if not exercises:
+        return [_row(sub.student, sub.path, "", 0.0, 0.0, error)]
+    if error:
+        return rows([(ex, 0.0, error) for ex in exercises])
+    nb.cells = [c for c in nb.cells if c.cell_type == "code"]
+    for c in nb.cells:
         c.outputs, c.execution_count = [], None
-    nb.cells = code
-    env = dict(os.environ, **{GRADING_ENV: "1"})
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
-    session = None
+    session = KernelSession(nb, sub.path.resolve().parent)
     try:
-        session = KernelSession(nb, sub.path.resolve().parent)
-        session.start(env, work)
-        note = ""
-        deadline = time.monotonic() + notebook_timeout
-        for i, cell in enumerate(code):
-            left = deadline - time.monotonic()
-            status = session.run(cell, i, left) if left > 0 else "timeout"
-            if status == "dead":
-                return rows_for(exercises, f"the kernel died while running code cell {i + 1} "
-                                           "(a crash or exit in the notebook)")
-            if status == "timeout":
-                note = (f"the notebook ran past its {notebook_timeout:g}s limit at code cell "
-                        f"{i + 1}; the cells after it were not run. ")
-                if not session.recover():
-                    return rows_for(exercises, note + "The kernel did not respond afterwards.")
-                break
-        rows, hung = [], ""
-        for k, ex in enumerate(exercises):
-            if hung:
-                rows += rows_for([ex], f"not graded: {hung}")
-                continue
-            out = work / f"{k}.json"
-            cell = nbformat.v4.new_code_cell(_check_source(ex, out, exercise_timeout))
-            nb.cells.append(cell)
-            limit = (exercise_timeout or ex.time_limit) * len(ex.cases) + 15
-            limit += CLUSTER_START_SECONDS if ex.distributed else 0
-            status = session.run(cell, len(nb.cells) - 1, limit)
-            if status == "ok" and out.exists():
-                result = Result.from_dict(json.loads(out.read_text()))
-                rows.append(_row(sub.student, sub.path, ex.name, result.points,
-                                 result.max_points, note + result.reason))
-                continue
-            if status == "ok":
-                reason = f"grader error: {_cell_error(cell)}"
-            elif status == "dead":
-                reason = hung = f"the kernel died while checking {ex.name}"
-            else:
-                reason = f"timed out: checking {ex.name} took over {limit:g}s and was cut off"
-                if not session.recover():
-                    hung = f"the kernel hung in {ex.name} and was killed"
-            rows.append(_row(sub.student, sub.path, ex.name, 0.0, float(ex.points),
-                             note + reason))
-        if not hung and any(e.distributed for e in exercises):
-            stop = nbformat.v4.new_code_cell(
-                "from course_lib.grading.in_kernel import stop_clusters\nstop_clusters()")
-            nb.cells.append(stop)
-            session.run(stop, len(nb.cells) - 1, 60)
-        return rows
+        session.start(dict(os.environ, **{GRADING_ENV: "1"}), work)
+        note, fatal = _run_notebook(session, list(nb.cells), notebook_timeout)
+        if fatal:
+            return rows([(ex, 0.0, fatal) for ex in exercises])
+        return rows([(ex, points, note + reason) for ex, points, reason
+                     in _run_checks(session, exercises, work, exercise_timeout)])
     except Exception as exc:  # noqa: BLE001 - e.g. the kernel would not start; grading goes on
-        return rows_for(exercises, f"grader error: {type(exc).__name__}: {exc}")
+        return rows([(ex, 0.0, f"grader error: {type(exc).__name__}: {exc}")
+                     for ex in exercises])
     finally:
-        if session is not None:
-            session.close()
+        session.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
