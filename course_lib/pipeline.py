@@ -25,7 +25,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 def partition(costs: Sequence[float], n_stages: int) -> list[range]:
     """Split items 0..n-1 into `n_stages` non-empty contiguous ranges with the smallest largest
-    stage cost, then the most even (least sum of squares; ties: the later cut)."""
+    stage cost; among such splits prefer even ones (less sum of squares; ties: the later cut)."""
     n = len(costs)
     if not 1 <= n_stages <= n:
         raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages")
@@ -242,7 +242,7 @@ class PipelineSchedule:
         self._losses = losses
         self.events, self._live, self._live_bytes = [], 0, 0
         self.peak_live = self.peak_activation_bytes = 0
-        self._params = {p.data_ptr() for p in st.submodule.parameters()}
+        self._params = {p.untyped_storage().data_ptr() for p in st.submodule.parameters()}
         actions = self.order()
         if sorted(actions) != sorted([(a, i) for a in "BF" for i in range(m)]):
             raise ValueError(f"stage {st.stage_index}: order() must run F and B of each of the "
@@ -263,7 +263,9 @@ class PipelineSchedule:
         self.events.append(Event(self.stage.stage_index, action, mb, start, time.perf_counter()))
 
     def _count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in self._params:
+        key = (tensor.data_ptr(), tensor.numel())  # a tensor saved twice is stored once
+        if tensor.untyped_storage().data_ptr() not in self._params and key not in self._seen:
+            self._seen.add(key)
             self._nbytes += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -275,7 +277,7 @@ class PipelineSchedule:
             x = [st.recv(st.prev, ACTIVATION_TAG, mb).requires_grad_()]
             if mb + 1 < self.n_microbatches:  # start the next one's transfer during compute
                 st.irecv(st.prev, ACTIVATION_TAG, mb + 1, like=x[0])
-        start, self._nbytes = time.perf_counter(), 0
+        start, self._nbytes, self._seen = time.perf_counter(), 0, set()
         with torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda t: t):
             out = st.submodule(*x)
             if st.is_last:
