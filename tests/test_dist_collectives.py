@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed
 
 from course_lib.spawn import spawn
 
@@ -130,6 +131,9 @@ def check_all(rank: int, world: int, group=None, members=None) -> list[str]:
     w1.wait()
     expect("async all_reduce 1", a, reference(full, ReduceOp.SUM))
     expect("async all_reduce 2", b, reference([x * 2 for x in full], ReduceOp.SUM))
+    t = full[me].clone()  # torch.distributed's ReduceOp works too (components may pass it)
+    dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    expect("all_reduce with torch's ReduceOp.MAX", t, reference(full, ReduceOp.MAX))
     dist.barrier(group=group)
     return bad
 

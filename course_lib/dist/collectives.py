@@ -15,7 +15,7 @@ from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
 from course_lib.dist.peer import Work
 
 SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
-AUTO_TREE_MAX_BYTES = 64 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
+AUTO_TREE_MAX_BYTES = 256 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
 ALGORITHMS = ("auto", "naive", "ring", "tree")
 
 
@@ -30,10 +30,14 @@ def _run(group: ProcessGroup | None, name: str, async_op: bool,
     return None
 
 
-def _check_op(op: ReduceOp) -> ReduceOp:
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
-    return op
+def _check_op(op) -> ReduceOp:
+    """Our ReduceOp, also accepting torch.distributed.ReduceOp.SUM etc. by name."""
+    if isinstance(op, ReduceOp):
+        return op
+    name = str(op).rsplit(".", 1)[-1].upper()
+    if name in ReduceOp.__members__:
+        return ReduceOp[name]
+    raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
 
 
 def reduce_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
@@ -187,7 +191,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     algorithm: "naive" (via rank 0), "ring" (bandwidth-optimal), "tree" (recursive doubling,
     latency-optimal), or "auto" (tree up to AUTO_TREE_MAX_BYTES, ring above).
     """
-    _check_op(op)
+    op = _check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "auto":
@@ -244,7 +248,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce onto rank `dst` along a binomial tree; other ranks' tensors are left unchanged."""
-    _check_op(op)
+    op = _check_op(op)
     name = "reduce"
 
     def body(g: ProcessGroup, tag: int) -> None:
@@ -329,7 +333,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                    op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                    async_op: bool = False) -> Work | None:
     """output on rank i = input_list[i] reduced over all ranks (ring, p-1 steps)."""
-    _check_op(op)
+    op = _check_op(op)
 
     def body(g: ProcessGroup, tag: int) -> None:
         _check_list(input_list, output, g.size, "input_list")
