@@ -168,6 +168,8 @@ class RowParallelLinear(_ParallelLinear):
         local = divide(in_features, d.get_world_size(group), "in_features")
         super().__init__(in_features, out_features, bias, d, group, (out_features, local),
                          out_features)
+        if self.bias is not None:  # every rank adds the whole bias: start it equal everywhere
+            nn.init.zeros_(self.bias)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

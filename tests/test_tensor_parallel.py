@@ -116,6 +116,12 @@ def _layer_checks(rank: int, world: int) -> dict[str, float]:
         full_row.weight.copy_(torch.cat(_gather(row.weight, world), dim=1))
         full_row.bias.copy_(row.bias)
     errs["row.whole_input"] = _max_err(row(x), full_row(x))
+    # Built from scratch with a different seed per rank, the MLP's output (replicated after
+    # the all-reduce) must still be the same on every rank: the whole bias starts equal.
+    torch.manual_seed(100 + rank)
+    mlp = TensorParallelMLP(8, 16).double()
+    y = mlp(torch.ones(2, 8, dtype=torch.float64)).detach()
+    errs["default_init.same_output_on_all_ranks"] = max(_max_err(o, y) for o in _gather(y, world))
     return errs
 
 
