@@ -299,7 +299,7 @@ class DistributedDataParallel(nn.Module):
             for p, n_users in zip(bucket.params, users.tolist()):
                 chunk = bucket.flat[offset:offset + p.numel()]
                 offset += p.numel()
-                if n_users > 0:  # unused on every rank: leave .grad as it was, as torch does
+                if n_users > 0:  # else no rank used it: .grad stays as it was, as in torch
                     unflatten_to_grads(chunk, [p])
 
     def exposed_comm_seconds(self) -> float:
