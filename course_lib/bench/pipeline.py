@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", default="1,2,4,8", help="comma-separated values of m")
     p.add_argument("--schedules", default="gpipe,1f1b", help=f"subset of {SCHEDULES}")
     p.add_argument("--width", type=int, default=1024, help="features of every linear layer")
-    p.add_argument("--layers-per-stage", type=int, default=4)
+    p.add_argument("--layers-per-stage", type=int, default=8,
+                   help="linear+ReLU blocks per stage (more: stages closer to equal, since "
+                        "stage 0 computes no input gradient)")
     p.add_argument("--microbatch-size", type=int, default=64, help="rows per micro-batch")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
