@@ -1,0 +1,35 @@
+"""The ddp benchmark runs end to end on tiny sizes and writes rows, JSON and a plot.
+
+Speed itself is measured by the lead (`python -m course_lib.bench ddp`), never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from course_lib.bench import __main__ as bench_cli
+from course_lib.bench import ddp as bench
+
+
+def test_benchmark_rows_json_and_plot(tmp_path):
+    out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
+    variants = "torch_ddp/gloo,ddp/gloo,ddp/scratch,per_param/scratch,bucketed/gloo"
+    assert bench_cli.main(["ddp", "--world", "2", "--variants", variants, "--hidden", "32",
+                           "--layers", "2", "--batch", "4", "--bucket-mb", "0.001",
+                           "--iters", "2", "--warmup", "1", "--timeout", "120",
+                           "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["local"] + variants.split(",")
+    for r in rows:
+        assert r["world"] == 2 and r["iter_ms"] > 0 and r["params"] == 2 * (32 * 32 + 32)
+        assert r["efficiency"] == pytest.approx(rows[0]["iter_ms"] / r["iter_ms"])
+        assert (r["ddp_wait_ms"] is not None) == r["variant"].startswith("ddp/")
+    assert [r["vs_torch_ddp"] for r in rows if r["variant"] == "torch_ddp/gloo"] == [1.0]
+    assert png.stat().st_size > 0
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="unknown variants"):
+        bench_cli.main(["ddp", "--variants", "ddp/nccl"])
