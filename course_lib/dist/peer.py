@@ -23,6 +23,7 @@ from course_lib.dist.wire import (ABORT_TAG, HEADER, PeerClosed, WireTimeout, by
                                   send_parts, try_send)
 
 log = logging.getLogger("course_lib.dist")
+INLINE_MAX = 64 * 1024  # an isend up to this size tries the socket at once, on the caller's thread
 
 
 def seconds(timeout: float | timedelta) -> float:
@@ -167,15 +168,18 @@ class Peer:
               blocking: bool = False) -> Work:
         """Send `tensor` after earlier sends to this peer.
 
-        What fits in the socket buffer goes out at once on this thread (no thread hop for
-        small messages); the rest is left to the sender thread, unless `blocking`.
+        A small message goes out at once on this thread, as far as the socket buffer takes it
+        (no thread hop on the latency path, and never a wait); the rest, and large messages,
+        go to the sender thread, so that sending overlaps the caller's receives. A `blocking`
+        send writes everything on this thread.
         """
         tensor = tensor.detach().contiguous()
         parts = [encode_header(tag, tensor), byte_view(tensor)]
         work = Work(deadline, (self.rank, op, "send to", self.peer))
         with self._send_cond:
             self._check_alive(op, "send to")
-            if self._send_queue or self._writing:
+            large = len(parts[1]) > INLINE_MAX and not blocking
+            if self._send_queue or self._writing or large:
                 return self._enqueue(work, parts, tensor)
             self._writing = True
         rest: list = []
