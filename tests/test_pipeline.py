@@ -18,7 +18,7 @@ from course_lib.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, bub
 from course_lib.spawn import spawn
 
 RTOL, ATOL = 1e-9, 1e-12
-BATCH, MICROBATCHES, TRAIN_STEPS = 8, (1, 4, 8), 3
+BATCH, MICROBATCHES, TRAIN_STEPS = 8, (1, 4, 8), 2
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 BACKENDS = ["gloo", "scratch"]  # torch.distributed and course_lib.dist, same code
 
