@@ -18,11 +18,15 @@ from course_lib.dist.peer import Peer
 from course_lib.dist.wire import client_handshake, server_handshake
 
 log = logging.getLogger("course_lib.dist")
+SOCKET_BUFFER = 4 << 20  # bytes; Linux doubles it, capped by net.core.[rw]mem_max
 HANDSHAKE_TIMEOUT = 10.0  # an intruder that sends nothing holds one handshake thread this long
 
 
 def _tune(sock: socket.socket) -> socket.socket:
+    """No Nagle delay; socket buffers big enough to hold a whole 1 MiB segment and more."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
     return sock
 
 
