@@ -278,3 +278,20 @@ def test_a_stage_whose_peer_is_gone_fails_naming_stage_rank_and_peer(backend):
     # gloo fails the receive of the first gradient; the scratch backend already the next send.
     assert re.match(r"pipeline stage 0 \(rank 0\): (recv|isend).* of .*micro-batch \d with rank 1 "
                     r"failed", msg), msg
+
+
+def test_pipeline_benchmark_runs_end_to_end(tmp_path):
+    """Rows, JSON and plot on tiny sizes; the bubble itself is measured by the lead."""
+    import json
+
+    from course_lib.bench import __main__ as bench_cli
+
+    out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
+    assert bench_cli.main(["pipeline", "--stages", "2", "--microbatches", "1,2", "--width", "16",
+                           "--layers-per-stage", "1", "--microbatch-size", "2", "--repeats", "2",
+                           "--warmup", "0", "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["schedule"], r["m"], r["peak_live_per_stage"]) for r in rows] == [
+        ("gpipe", 1, "1/1"), ("gpipe", 2, "2/2"), ("1f1b", 1, "1/1"), ("1f1b", 2, "2/1")]
+    assert all(0 < r["bubble"] < 1 and r["step_s"] > 0 for r in rows)
+    assert png.stat().st_size > 0

@@ -265,3 +265,20 @@ def test_f_and_g_exercises_catch_misplaced_all_reduce(cluster):
     assert swapped.points == 0, swapped.reason
     twice = grade_function("lesson06.reduce_from_parallel", _reduce_also_in_backward, cluster)
     assert twice.points == 0 and "grad" in twice.reason, twice.reason
+
+
+def test_tp_benchmark_runs_end_to_end(tmp_path):
+    """Rows, JSON and plot on tiny sizes; speed itself is measured by the lead."""
+    import json
+
+    from course_lib.bench import __main__ as bench_cli
+
+    out, png = tmp_path / "tp.json", tmp_path / "tp.png"
+    assert bench_cli.main(["tp", "--worlds", "2", "--d-model", "16", "--d-hidden", "32",
+                           "--tokens", "4", "--repeats", "2", "--warmup", "0",
+                           "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["world"] for r in rows] == [2]
+    # fc1 (16x32 + 32) and fc2's weight split in two; fc2's bias (16) whole on both ranks.
+    assert rows[0]["params_per_rank"] == 16 * 32 + 16 + 16
+    assert all(r["step_s"] > 0 for r in rows) and png.stat().st_size > 0
