@@ -38,7 +38,7 @@ def learner_frame(exc: BaseException) -> str:
     if not (mine or frames):
         return ""
     f = (mine or frames)[-1]
-    code = f" : {f.line.strip()}" if f.line else ""
+    code = f": {f.line.strip()}" if f.line else ""
     return f"in {f.name}, line {f.lineno}{code}"
 
 
