@@ -40,6 +40,7 @@ class RankError(ClusterError):
 
     def __init__(self, what: str, failures: dict[int, str], note: str = ""):
         self.failures = dict(sorted(failures.items()))
+        self.note = note
         lines = [f"{what}: {len(self.failures)} rank(s) failed"]
         lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
         if note:
@@ -159,6 +160,14 @@ def _stop_all_at_exit() -> None:
 
 
 atexit.register(_stop_all_at_exit)
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) has died."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _kill_pids(procs: list[tuple[int, float]], grace: float = 3.0) -> None:
@@ -417,15 +426,15 @@ class Cluster:
         return [f.get() for f in futures]
 
     def _find_dead(self, futures: list) -> dict[int, str]:
-        import ipyparallel as ipp
-
         dead = {}
         local = socket.gethostname()
         for rank, info in enumerate(self._info):
             f = futures[rank] if rank < len(futures) else None
-            if f is not None and f.ready() and isinstance(f.exception(), ipp.error.EngineError):
-                dead[rank] = f"engine died ({f.exception()})"
-            elif info["host"] == local and not psutil.pid_exists(info["pid"]):
+            exc = f.exception() if f is not None and f.ready() else None
+            if exc is not None and "EngineError" in (type(exc).__name__,
+                                                     getattr(exc, "ename", "")):
+                dead[rank] = f"engine died ({self._describe(exc)})"
+            elif info["host"] == local and not _running(info["pid"]):
                 dead[rank] = f"engine process {info['pid']} died"
         return dead
 
