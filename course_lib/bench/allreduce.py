@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="fresh process sets per backend; repeats are spread over them")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process set")
+    parser.add_argument("--bind", choices=("core", "none"), default="core",
+                        help="core: pin each rank of every backend to its own core when there "
+                             "are enough (as MPI launchers do); none: let the OS place them")
 
 
 # --- inside the ranks -----------------------------------------------------------------------
@@ -71,11 +74,24 @@ def _backend_ops(backend: str, algorithm: str):
     return comm.Barrier, lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy())
 
 
+def bind_to_core(rank: int, world: int) -> None:
+    """Pin this rank to a core of its own, if there is one per rank; the same for every backend.
+
+    On loopback, a socket write wakes the receiver on the sender's core; pinned, both ends
+    keep their own cores. Every backend in a run gets the same placement, so ratios stay fair.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if 1 < world <= len(cpus):
+        os.sched_setaffinity(0, {cpus[rank]})
+
+
 def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
-            repeats: int) -> dict[str, list[float]]:
+            repeats: int, bind: str = "core") -> dict[str, list[float]]:
     """Per (bytes, algorithm) in `plan`, this rank's time of each repeat; checks each result."""
     import torch
 
+    if bind == "core":
+        bind_to_core(rank, world)
     times: dict[str, list[float]] = {}
     expected = float(world * (world + 1) // 2)  # every rank contributes rank + 1: exact in fp32
     for nbytes, algorithm in plan:
@@ -106,7 +122,7 @@ def _mpi_worker(spec: str) -> None:
     cfg = json.loads(spec)
     comm = MPI.COMM_WORLD
     times = measure(comm.Get_rank(), comm.Get_size(), "mpi",
-                    [tuple(p) for p in cfg["plan"]], cfg["repeats"])
+                    [tuple(p) for p in cfg["plan"]], cfg["repeats"], cfg["bind"])
     everyone = comm.gather(times, root=0)
     if comm.Get_rank() == 0:
         print("BENCH_JSON " + json.dumps(everyone), flush=True)
@@ -114,9 +130,9 @@ def _mpi_worker(spec: str) -> None:
 
 # --- the driver -----------------------------------------------------------------------------
 
-def _run_mpi(world: int, plan: list, repeats: int, timeout: float) -> list[dict]:
+def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str) -> list[dict]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    spec = json.dumps({"plan": plan, "repeats": repeats})
+    spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind})
     cmd = [str(mpiexec), "-n", str(world), sys.executable, "-m", "course_lib.bench.allreduce",
            "--mpi-worker", spec]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -144,13 +160,13 @@ def _mpi_available() -> str | None:
     return None
 
 
-def _run_set(backend: str, world: int, plan: list, repeats: int,
-             timeout: float) -> list[dict]:
+def _run_set(backend: str, world: int, plan: list, repeats: int, timeout: float,
+             bind: str) -> list[dict]:
     """One fresh set of `world` processes for `backend`; per-rank {key: times}."""
     if backend == "mpi":
-        return _run_mpi(world, plan, repeats, timeout)
+        return _run_mpi(world, plan, repeats, timeout, bind)
     from course_lib.spawn import spawn
-    return spawn(measure, world, backend, plan, repeats, backend=backend, timeout=timeout)
+    return spawn(measure, world, backend, plan, repeats, bind, backend=backend, timeout=timeout)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -173,7 +189,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             plan = [(n, a) for n in sizes for a in algs]
             if rnd % 2:
                 plan.reverse()
-            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout)
+            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout, args.bind)
             for n, a in plan:
                 key = f"{n}/{a}"
                 collected.setdefault((backend, a, n), []).extend(
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         t = median(secs)
         rows.append({"backend": backend, "algorithm": algorithm, "world": args.world,
                      "bytes": n, "seconds": t, "algbw": n / t / 1e9,
-                     "busbw": n / t / 1e9 * bus, "repeats": len(secs)})
+                     "busbw": n / t / 1e9 * bus, "repeats": len(secs), "bind": args.bind})
     return rows
 
 

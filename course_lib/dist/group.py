@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import os
 import threading
 import time
 from datetime import timedelta
@@ -143,24 +142,6 @@ class _Worker:
 _listener: Listener | None = None
 _world: ProcessGroup | None = None
 _groups: list[ProcessGroup] = []
-_cpus_before: set[int] | None = None
-
-
-def _bind_cpu(rank: int, addresses: Sequence[tuple[str, int]]) -> set[int] | None:
-    """Give this rank a core of its own when its host has one per rank there (as MPI binds).
-
-    A socket write wakes the receiving rank on the sender's core; pinned, each rank keeps
-    its core and the two ends run in parallel. Off with COURSE_LIB_DIST_BIND=0, and when the
-    host's ranks outnumber its cores. Returns the previous CPU set, to restore on destroy.
-    """
-    if os.environ.get("COURSE_LIB_DIST_BIND", "1") == "0" or not hasattr(os, "sched_setaffinity"):
-        return None
-    local = [r for r, a in enumerate(addresses) if a[0] == addresses[rank][0]]
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(local) < 2 or len(local) > len(cpus):
-        return None
-    os.sched_setaffinity(0, {cpus[local.index(rank)]})
-    return set(cpus)
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -179,7 +160,7 @@ def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
                        secret: bytes | None = None,
                        timeout: float | timedelta = DEFAULT_TIMEOUT) -> None:
     """Connect to every other rank (each link authenticated with `secret`); sets the world."""
-    global _listener, _world, _cpus_before
+    global _listener, _world
     if backend != "scratch":
         raise ValueError(f"course_lib.dist only has the 'scratch' backend, got {backend!r}")
     if _world is not None:
@@ -202,12 +183,11 @@ def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
                           secret or b"", seconds(timeout), listener)
     _world = ProcessGroup(transport, range(world_size), 0, seconds(timeout))
     _groups[:] = [_world]
-    _cpus_before = _bind_cpu(rank, transport.addresses)
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Close every connection and background thread (the whole world, as torch does)."""
-    global _world, _cpus_before
+    global _world
     if _world is None:
         return
     world, _world = _world, None
@@ -215,9 +195,6 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         g.close()
     _groups.clear()
     world.transport.close()
-    if _cpus_before is not None:
-        os.sched_setaffinity(0, _cpus_before)
-        _cpus_before = None
 
 
 def is_initialized() -> bool:
