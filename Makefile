@@ -9,5 +9,10 @@ build:
 	$(PYTHON) course.py build
 build-check:
 	$(PYTHON) course.py build --check
+# Every side-by-side benchmark the README reports; run on an otherwise idle machine.
 bench:
-	$(PYTHON) course.py bench allreduce --world 2 --backends scratch,gloo,mpi --json bench-results/allreduce.json --plot bench-results/allreduce.png
+	$(PYTHON) course.py bench allreduce --world 2 --backends scratch,gloo,mpi --algorithms ring,tree --sizes 4KiB,1MiB,16MiB --json bench-results/allreduce-w2.json --plot bench-results/allreduce-w2.png
+	$(PYTHON) course.py bench allreduce --world 4 --backends scratch,gloo,mpi --algorithms ring,tree --sizes 4KiB --json bench-results/allreduce-w4.json
+	$(PYTHON) course.py bench ddp --world 2 --json bench-results/ddp.json --plot bench-results/ddp.png
+	$(PYTHON) course.py bench tp --json bench-results/tp.json --plot bench-results/tp.png
+	$(PYTHON) course.py bench pipeline --stages 2,4 --json bench-results/pipeline.json --plot bench-results/pipeline.png
