@@ -22,7 +22,8 @@ def solution(name: str, notebook: Path = NOTEBOOK):
     """The function `name` as the solution notebook defines it (its cell run on its own)."""
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type == "code" and f"def {name}(" in cell.source:
-            namespace = {"__name__": f"solution_{name}", "torch": torch, "dist": dist,
+            namespace = {**vars(wire),  # exported cells use the module's own names
+                         "__name__": f"solution_{name}", "torch": torch, "dist": dist,
                          "wire": wire}
             exec(compile(cell.source, f"{notebook.name}:{name}", "exec"), namespace)
             return namespace[name]
