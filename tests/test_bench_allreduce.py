@@ -48,3 +48,19 @@ def test_measure_catches_a_wrong_result(monkeypatch):
     monkeypatch.setattr(allreduce, "_backend_ops", lambda b, a: (lambda: None, lambda t: None))
     with pytest.raises(AssertionError, match="expected 3.0"):
         allreduce.measure(0, 2, "scratch", [(4096, "ring")], repeats=1)
+
+
+def test_bind_to_core_gives_each_rank_its_own_core_only_when_there_are_enough():
+    import os
+
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two CPUs")
+    try:
+        allreduce.bind_to_core(1, 2)
+        assert os.sched_getaffinity(0) == {sorted(before)[1]}
+        os.sched_setaffinity(0, before)
+        allreduce.bind_to_core(0, len(before) + 1)  # more ranks than cores: left to the OS
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)

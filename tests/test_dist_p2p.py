@@ -186,25 +186,3 @@ def test_handshake_needs_the_secret():
     wrong = attempt(b"x" * 32)
     assert "did not prove it knows the cluster secret" in wrong["client_error"]
     assert "peer" not in wrong and wrong["server_error"]
-
-
-def test_bind_cpu_gives_each_local_rank_its_own_core(monkeypatch):
-    import os
-
-    from course_lib.dist.group import _bind_cpu
-
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("needs two CPUs")
-    two = [("127.0.0.1", 1001), ("127.0.0.1", 1002)]
-    try:
-        assert _bind_cpu(1, two) == before
-        assert os.sched_getaffinity(0) == {sorted(before)[1]}
-    finally:
-        os.sched_setaffinity(0, before)
-    crowded = [("127.0.0.1", 1000 + i) for i in range(len(before) + 1)]
-    assert _bind_cpu(0, crowded) is None  # more ranks than cores here: left to the scheduler
-    assert _bind_cpu(0, [("127.0.0.1", 1001), ("10.0.0.2", 1002)]) is None  # alone on its host
-    monkeypatch.setenv("COURSE_LIB_DIST_BIND", "0")
-    assert _bind_cpu(1, two) is None
-    assert os.sched_getaffinity(0) == before

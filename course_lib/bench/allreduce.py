@@ -86,7 +86,7 @@ def bind_to_core(rank: int, world: int) -> None:
 
 
 def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
-            repeats: int, bind: str = "core") -> dict[str, list[float]]:
+            repeats: int, bind: str = "none") -> dict[str, list[float]]:
     """Per (bytes, algorithm) in `plan`, this rank's time of each repeat; checks each result."""
     import torch
 
