@@ -132,6 +132,22 @@ def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     return list(range(next_bucket, end))
 
 
+def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether `grad` is `view` itself (same memory, shape and strides), not a copy of it."""
+    return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+            and grad.stride() == view.stride())
+
+
+def stage_grad(grad: torch.Tensor | None, view: torch.Tensor, world_size: int) -> None:
+    """Put `grad / world_size` into its bucket slice `view` in one pass (zeros for no grad)."""
+    if grad is None:
+        view.zero_()
+    elif is_view_of(grad, view):  # accumulated in place (the grad already is the slice)
+        view.div_(world_size)
+    else:
+        torch.div(grad, world_size, out=view)
+
+
 class _Bucket:
     """Parameters whose gradients travel together in one flat buffer and one all_reduce."""
 
@@ -141,6 +157,10 @@ class _Bucket:
         # With find_unused_parameters, one slot per parameter counts the ranks that used it.
         self.flat = torch.zeros(self.numel + (len(params) if with_flags else 0),
                                 dtype=params[0].dtype)
+        # Each parameter's slice of `flat`, shaped like it: after the all_reduce it becomes the
+        # parameter's .grad (torch's gradient_as_bucket_view), so nothing is copied back.
+        self.views = [v.view_as(p) for v, p in
+                      zip(self.flat[:self.numel].split([p.numel() for p in params]), params)]
         self.ready: set[int] = set()
         self.work: Any = None
         self.launched_at = 0.0
@@ -182,6 +202,7 @@ class DistributedDataParallel(nn.Module):
                         for b in make_buckets([p for _, p in named], bucket_cap_mb,
                                               first_bucket_cap_mb)]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._check_same_layout()
         broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffers_to_sync,
                             self.src, dist=self.dist, group=group)
@@ -251,6 +272,12 @@ class DistributedDataParallel(nn.Module):
                                "its gradient twice in one backward (reentrant backward or "
                                "checkpointing is not supported)")
         bucket.ready.add(id(p))
+        # Into the bucket now, while the gradient is hot in cache; the fresh tensor autograd
+        # made is freed at once, so the next layer's gradient reuses its memory.
+        view = self._view_of[id(p)]
+        with torch.no_grad():
+            stage_grad(p.grad, view, self.world_size)
+        p.grad = view
         complete = [len(b.ready) == len(b.params) for b in self.buckets]
         for i in buckets_to_launch(self._next_bucket, complete):
             self._launch(self.buckets[i])
@@ -258,8 +285,9 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         with torch.no_grad():
-            flatten_into(bucket.flat, grads_of(bucket.params))
-            bucket.flat[:bucket.numel].div_(self.world_size)
+            for p, view in zip(bucket.params, bucket.views):
+                if id(p) not in bucket.ready:  # got no gradient (find_unused_parameters)
+                    stage_grad(p.grad, view, self.world_size)
             if self.find_unused_parameters:
                 bucket.flat[bucket.numel:] = torch.tensor(
                     [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
@@ -290,17 +318,12 @@ class DistributedDataParallel(nn.Module):
             self._in_backward = False
 
     def _write_back(self, bucket: _Bucket) -> None:
-        with torch.no_grad():
-            if not self.find_unused_parameters:
-                unflatten_to_grads(bucket.flat, bucket.params)
-                return
-            users = bucket.flat[bucket.numel:]
-            offset = 0
-            for p, n_users in zip(bucket.params, users.tolist()):
-                chunk = bucket.flat[offset:offset + p.numel()]
-                offset += p.numel()
-                if n_users > 0:  # else no rank used it: .grad stays as it was, as in torch
-                    unflatten_to_grads(chunk, [p])
+        """Each parameter's .grad becomes its averaged slice of the bucket (no copy)."""
+        users = (bucket.flat[bucket.numel:].tolist() if self.find_unused_parameters
+                 else [1] * len(bucket.params))
+        for p, view, n_users in zip(bucket.params, bucket.views, users):
+            if n_users > 0:  # else no rank used it: .grad stays as it was, as in torch
+                p.grad = view
 
     def exposed_comm_seconds(self) -> float:
         """How long the last synchronized backward waited for communication after it ended."""
