@@ -42,7 +42,8 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, b: int,
-          micro: int = 1, steps: int = STEPS, after_backward=None) -> None:
+          micro: int = 1, steps: int = STEPS, after_backward=None,
+          set_to_none: bool = True) -> None:
     """`steps` steps; rank `rank` takes its slice of each global batch of world*micro*b samples,
     in `micro` micro-batches (loss scaled by 1/micro, gradient sync only on the last one)."""
     for step in range(steps):
@@ -58,7 +59,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, b
         if after_backward is not None:
             after_backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
 
 
 class _null:
@@ -146,6 +147,15 @@ def ddp_worker(rank: int, world: int, with_torch: bool, extras: bool) -> dict:
     out["buckets", "default"] = len(wrapped.buckets)
     train(wrapped, make_optimizer("sgd", wrapped), rank, world, B)
     out["ours", "mlp", "default"] = flat_state(model)
+    # Gradients zeroed, not dropped: they stay the buckets' views, and the next backward (over
+    # 2 micro-batches) accumulates straight into the bucket.
+    model = make_model("mlp", seed=rank)
+    wrapped = ours.DistributedDataParallel(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+    train(wrapped, make_optimizer("sgd", wrapped), rank, world, B // 2, micro=2,
+          set_to_none=False)
+    out["ours", "mlp", "zeroed"] = flat_state(model)
+    out["grad_is_view"] = all(ours.is_view_of(p.grad, v)
+                              for b in wrapped.buckets for p, v in zip(b.params, b.views))
     # A parameter unused on some ranks (and one unused everywhere): handled like torch's
     # find_unused_parameters=True; without the flag, a clear error instead of a hang.
     if with_torch:
@@ -210,6 +220,9 @@ def check_parity(results: list[dict], world: int, with_torch: bool, extras: bool
     for rank, res in enumerate(results):
         assert res["buckets", "default"] == 1
         torch.testing.assert_close(as_tensor(res["ours", "mlp", "default"]), ref, **TOL)
+        torch.testing.assert_close(as_tensor(res["ours", "mlp", "zeroed"]), ref, **TOL,
+                                   msg=lambda m: f"zero_grad(set_to_none=False) rank {rank}: {m}")
+        assert res["grad_is_view"]
         for name in ("per_param", "flat", "bucketed"):
             torch.testing.assert_close(as_tensor(res["step", name]), ref, **TOL,
                                        msg=lambda m: f"{name} rank {rank}: {m}")
