@@ -66,7 +66,8 @@ def main(argv: list[str]) -> int:
     ensure_env()
     env = dict(os.environ, IPP_NONINTERACTIVE="1")
     if command == "lab":
-        return run(BIN / "jupyter", "lab", "notebooks/", *rest)
+        root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
+        return run(BIN / "jupyter", "lab", "--ServerApp.root_dir=notebooks", *root, *rest)
     if command == "test":
         return run(PY, "-m", "pytest", "tests", "solutions", "--nbval", *rest, env=env)
     if command == "build":
