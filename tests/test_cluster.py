@@ -257,3 +257,27 @@ def test_scratch_is_the_default_and_its_collective_hang_is_interruptible():
         assert "interrupted and the process group rebuilt" in str(info.value)
         assert c.pids == pids  # no restart was needed: our waits are interruptible
         assert c.run(scratch_sum_skipping, -1) == [[3.0] * 5] * 3
+
+        # A rank killed in the middle of a ring all_reduce: the others fail fast, naming it.
+        with pytest.raises(EngineDied) as info:
+            c.run(scratch_die_mid_all_reduce, 1, timeout=60)
+        assert list(info.value.failures) == [1]
+        c.restart()
+        assert c.run(scratch_sum_skipping, -1) == [[3.0] * 5] * 3
+
+
+def scratch_die_mid_all_reduce(rank_to_die):
+    import os
+    import threading
+    import torch
+    from course_lib import dist
+
+    if dist.get_rank() == rank_to_die:
+        threading.Timer(0.05, os._exit, args=(5,)).start()
+    t = torch.ones(16 * 2**20 // 4)  # 16 MiB: several segments, so the rank dies mid-ring
+    try:
+        for _ in range(200):
+            dist.all_reduce(t, algorithm="ring")
+    except dist.DistError as err:
+        return str(err)
+    return "finished"
