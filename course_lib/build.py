@@ -171,16 +171,22 @@ def generated_on_disk(root: Path) -> set[str]:
     return found
 
 
-def stale(root: Path) -> list[str]:
-    """Problems `--check` reports, one line each; empty when everything is up to date."""
-    want = expected_files(root)
-    problems = []
+def _out_of_date(root: Path, want: dict[str, bytes]) -> list[tuple[str, str]]:
+    """(path, "missing" or "stale") for every generated file that differs from `want`."""
+    found = []
     for rel, data in sorted(want.items()):
         path = root / rel
         if not path.exists():
-            problems.append(f"missing: {rel}")
+            found.append((rel, "missing"))
         elif path.read_bytes() != data:
-            problems.append(f"stale: {rel}")
+            found.append((rel, "stale"))
+    return found
+
+
+def stale(root: Path) -> list[str]:
+    """Problems `--check` reports, one line each; empty when everything is up to date."""
+    want = expected_files(root)
+    problems = [f"{why}: {rel}" for rel, why in _out_of_date(root, want)]
     problems += [f"orphan (its notebook is gone): {rel}"
                  for rel in sorted(generated_on_disk(root) - set(want))]
     return problems
@@ -190,15 +196,14 @@ def build(root: Path) -> list[str]:
     """Write every stale or missing generated file and delete orphans; return what changed."""
     want = expected_files(root)
     changed = []
-    for rel, data in sorted(want.items()):
+    for rel, _ in _out_of_date(root, want):
         path = root / rel
         if path.exists() and rel.endswith(".py") and not _is_generated_module(path):
             raise BuildError(f"refusing to overwrite hand-written {rel}: delete it if the "
                              f"notebook is now its source, else rename the '#| default_exp'")
-        if not path.exists() or path.read_bytes() != data:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            changed.append(f"wrote {rel}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(want[rel])
+        changed.append(f"wrote {rel}")
     for rel in sorted(generated_on_disk(root) - set(want)):
         (root / rel).unlink()
         changed.append(f"removed {rel}")
