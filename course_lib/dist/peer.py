@@ -3,6 +3,8 @@
 Receives are matched by tag, in posting order per tag; a message nobody has asked for yet is
 kept until someone does. Whichever thread waits for a receive reads the socket itself (no
 thread hop on the latency path); a background thread only drives `irecv` and queued `isend`.
+Between ranks on one machine, large payloads go through shared memory (`shm`), headers still
+through the socket.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Callable
 
 import torch
 
+from course_lib.dist import shm
 from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError, describe
 from course_lib.dist.wire import (ABORT_TAG, HEADER, PeerClosed, WireTimeout, byte_view,
                                   decode_header, encode_header, recv_exact, send_frame,
                                   send_parts, try_send)
 
 log = logging.getLogger("course_lib.dist")
-INLINE_MAX = 64 * 1024  # an isend up to this size tries the socket at once, on the caller's thread
+INLINE_MAX = shm.MIN_BYTES  # an isend up to this size tries the socket at once, on the caller's thread
 
 
 def seconds(timeout: float | timedelta) -> float:
@@ -107,8 +110,10 @@ class Peer:
     """The connection from this rank to rank `peer` (global ranks)."""
 
     def __init__(self, rank: int, peer: int, sock: socket.socket, timeout: float,
-                 on_fatal: Callable[[int, str], None]):
+                 on_fatal: Callable[[int, str], None],
+                 regions: tuple[shm.Region | None, shm.Region | None] = (None, None)):
         self.rank, self.peer, self.timeout = rank, peer, timeout
+        self._shm_out, self._shm_in = regions  # shared memory to and from this peer, if any
         sock.settimeout(None)  # blocking; deadlines are armed per call with SO_RCVTIMEO/SNDTIMEO
         self._rsock, self._wsock = sock, sock.dup()  # reader and writer each own a timeout
         self._on_fatal = on_fatal
@@ -174,7 +179,9 @@ class Peer:
         send writes everything on this thread.
         """
         tensor = tensor.detach().contiguous()
-        parts = [encode_header(tag, tensor), byte_view(tensor)]
+        parts: list = [encode_header(tag, tensor), byte_view(tensor)]
+        if self._shm_out is not None and len(parts[1]) > shm.MIN_BYTES:
+            parts[1] = tensor.reshape(-1).view(torch.uint8)  # a tensor payload: via shared memory
         work = Work(deadline, (self.rank, op, "send to", self.peer))
         with self._send_cond:
             self._check_alive(op, "send to")
@@ -203,10 +210,14 @@ class Peer:
         return work
 
     def _write(self, work: Work, parts: list, wait: bool) -> list:
-        """Send `parts` (with wait=False only what fits now); returns what is left."""
+        """Send `parts` (with wait=False only what fits now); returns what is left.
+        A payload given as a tensor rather than bytes goes through shared memory."""
         op = work._what[1]
         try:
-            if wait:
+            if isinstance(parts[-1], torch.Tensor):
+                shm.send(self._shm_out, self._wsock, parts[0], parts[1], work.deadline)
+                rest = []
+            elif wait:
                 send_parts(self._wsock, parts, work.deadline)
                 rest = []
             else:
@@ -363,6 +374,9 @@ class Peer:
                         self._expire(req)
                 return
             tag, dtype, shape, nbytes = decode_header(self._header)
+            via_shm = shm.is_marked(self._header)
+            if via_shm and self._shm_in is None:
+                raise ProtocolError("shared-memory frame on a link without shared memory")
             # The sender has started this frame: allow it time to finish (a full timeout if
             # the reader's own deadline is close; the same deadline saves re-arming it).
             now = time.monotonic()
@@ -378,7 +392,7 @@ class Peer:
                     target.state = FILLING
             if target is None:
                 msg = torch.empty(shape, dtype=dtype)
-                recv_exact(self._rsock, byte_view(msg), payload_deadline)
+                self._read_payload(msg, nbytes, via_shm, payload_deadline)
                 with self._cond:
                     late = self._pop(tag)
                     if late is not None:
@@ -387,10 +401,8 @@ class Peer:
                         self._unexpected.setdefault(tag, deque()).append(msg)
                 return
             error = self._mismatch(target, dtype, shape, tag)
-            if error is None:
-                recv_exact(self._rsock, byte_view(target.buffer), payload_deadline)
-            else:
-                self._drain(nbytes, payload_deadline)
+            self._read_payload(target.buffer if error is None else None, nbytes, via_shm,
+                               payload_deadline)
             with self._cond:
                 target._complete(error)
         except WireTimeout:
@@ -416,6 +428,17 @@ class Peer:
         if not queue:
             del self._posted[tag]
         return req
+    def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
+                      deadline: float) -> None:
+        """Read a frame's payload into `buffer` (contiguous), or drop it if None."""
+        if via_shm:
+            target = None if buffer is None else buffer.reshape(-1).view(torch.uint8)
+            shm.receive(self._shm_in, self._rsock, target, nbytes, deadline)
+        elif buffer is None:
+            self._drain(nbytes, deadline)
+        else:
+            recv_exact(self._rsock, byte_view(buffer), deadline)
+
     def _drain(self, nbytes: int, deadline: float) -> None:
         """Read and drop a payload nobody can take, so the stream stays in step."""
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))

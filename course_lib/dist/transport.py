@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable
 
+from course_lib.dist import shm
 from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError
 from course_lib.dist.peer import Peer
 from course_lib.dist.wire import client_handshake, server_handshake
@@ -43,19 +44,18 @@ class Listener:
         self._closed = False
 
     def start(self, secret: bytes, rank: int, world_size: int, timeout: float,
-              on_peer: Callable[[int, socket.socket], None]) -> None:
+              on_peer: Callable[[int, socket.socket, float], None]) -> None:
         """Accept in a background thread; each connection is authenticated in its own thread."""
         def handshake(conn: socket.socket, addr) -> None:
             try:
                 conn.settimeout(None)
                 deadline = time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT)
                 peer = server_handshake(conn, secret, rank, world_size, deadline)
+                on_peer(peer, _tune(conn), deadline)
             except (ProtocolError, OSError) as exc:
                 log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2],
                             exc or type(exc).__name__)
                 conn.close()
-                return
-            on_peer(peer, _tune(conn))
 
         def accept_loop() -> None:
             while not self._closed:
@@ -114,11 +114,11 @@ class Transport:
                 try:
                     sock = _connect(addresses[peer], deadline)
                     client_handshake(sock, secret, rank, peer, deadline)
+                    self._add(peer, _tune(sock), deadline)
                 except (OSError, ProtocolError) as exc:
                     raise DistError(f"rank {rank}: init_process_group connect to rank {peer} at "
                                     f"{addresses[peer]} failed: {exc or type(exc).__name__}",
                                     rank=rank, peer=peer, op="init_process_group") from None
-                self._add(peer, _tune(sock))
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self.peers) == world_size - 1,
                                            max(0.0, deadline - time.monotonic())):
@@ -132,12 +132,13 @@ class Transport:
             self.close()
             raise
 
-    def _add(self, peer: int, sock: socket.socket) -> None:
+    def _add(self, peer: int, sock: socket.socket, deadline: float) -> None:
+        regions = shm.negotiate(sock, deadline)  # before the Peer's threads touch the socket
         with self._cond:
-            self.peers[peer] = Peer(self.rank, peer, sock, self.timeout, self.abort)
+            self.peers[peer] = Peer(self.rank, peer, sock, self.timeout, self.abort, regions)
             self._cond.notify_all()
 
-    def _accepted(self, peer: int, sock: socket.socket) -> None:
+    def _accepted(self, peer: int, sock: socket.socket, deadline: float) -> None:
         """A connection that passed the handshake: keep it if it is one we are waiting for."""
         with self._cond:
             expected = not self._ready and peer < self.rank and peer not in self.peers
@@ -146,7 +147,7 @@ class Transport:
                         "rank %d", self.rank, peer)
             sock.close()
             return
-        self._add(peer, sock)
+        self._add(peer, sock, deadline)
 
     def peer(self, rank: int) -> Peer:
         return self.peers[rank]

@@ -1,0 +1,181 @@
+"""Shared memory between two ranks on the same machine: large payloads skip the TCP stack.
+
+Over loopback TCP every byte is copied into the kernel and out again, with the protocol's work
+in between; MPI and NCCL move data between processes of one host through shared memory instead.
+Here each rank maps a small region per peer that only it writes payloads into: `SLOTS` slots of
+`SLOT_BYTES`. The frame's header still goes over the (authenticated) socket, marked "payload in
+shared memory", followed by one doorbell byte per slot filled, so frames stay in order, every
+wait stays a socket read with a deadline, and a dead peer still shows as a closed socket. The
+receiver copies a slot out and clears the slot's flag; the sender waits for the flag before it
+reuses the slot.
+
+The region's name travels over the authenticated socket; the file is created 0600 and unlinked
+as soon as the peer has mapped it (or failed to). Linux only (`/dev/shm`); elsewhere, or with
+COURSE_DIST_SHM=0, links stay plain TCP.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import socket
+import struct
+import time
+
+import torch
+
+from course_lib.dist.errors import ProtocolError
+from course_lib.dist.wire import HEADER, PeerClosed, WireTimeout, recv_exact, send_parts
+
+SHM_DIR = "/dev/shm"
+SLOTS = 8
+SLOT_BYTES = 512 * 1024
+FLAG_BYTES = 64  # one flag byte per slot, padded to a cache line
+REGION_BYTES = FLAG_BYTES + SLOTS * SLOT_BYTES
+MIN_BYTES = 64 * 1024  # payloads above this go through shared memory
+OFFER = struct.Struct("<8s64s")  # magic, region name (empty: no shared memory offered)
+OFFER_MAGIC = b"CDSTSHM1"
+DOORBELL = b"\x01"
+_FLAGS_AT = struct.calcsize(HEADER.format[:5])  # the header's reserved field: our flags
+_VIA_SHM = 1
+_NAME = re.compile(rb"course_lib-dist-[0-9a-f]{32}")
+
+
+def enabled() -> bool:
+    return os.path.isdir(SHM_DIR) and os.environ.get("COURSE_DIST_SHM", "1") != "0"
+
+
+def mark(header: bytes) -> bytes:
+    """The same header, flagged "payload in shared memory"."""
+    flagged = bytearray(header)
+    flagged[_FLAGS_AT:_FLAGS_AT + 2] = _VIA_SHM.to_bytes(2, "little")
+    return bytes(flagged)
+
+
+def is_marked(header: memoryview | bytes) -> bool:
+    return int.from_bytes(header[_FLAGS_AT:_FLAGS_AT + 2], "little") == _VIA_SHM
+
+
+class Region:
+    """A file in /dev/shm mapped into this process: flag bytes, then the slots."""
+
+    def __init__(self, name: str, create: bool):
+        self.name, self.path = name, os.path.join(SHM_DIR, name)
+        mode = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, mode, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, REGION_BYTES)
+            elif os.fstat(fd).st_size != REGION_BYTES:
+                raise OSError(f"shared memory region {name} has the wrong size")
+            self._map = mmap.mmap(fd, REGION_BYTES)
+        finally:
+            os.close(fd)
+        # Never unmapped by hand: a thread may still be copying; the mapping goes with the object.
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.next = 0  # slots are used round-robin, in the same order on both ends
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def slot(self, i: int, n: int) -> torch.Tensor:
+        start = FLAG_BYTES + i * SLOT_BYTES
+        return self.data[start:start + n]
+
+    def take_slot(self) -> int:
+        i, self.next = self.next, (self.next + 1) % SLOTS
+        return i
+
+    def busy(self, i: int) -> bool:
+        return self._map[i] != 0
+
+    def set_busy(self, i: int, busy: bool) -> None:
+        self._map[i] = 1 if busy else 0
+
+
+def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Region | None]:
+    """Offer this side's region, map the peer's if it is on this machine; (outgoing, incoming).
+
+    Both ends run this right after the handshake; the messages are small, so sending first on
+    both ends cannot block.
+    """
+    out = None
+    if enabled():
+        try:
+            out = Region(f"course_lib-dist-{secrets.token_hex(16)}", create=True)
+        except OSError:
+            out = None
+    try:
+        send_parts(sock, [OFFER.pack(OFFER_MAGIC, out.name.encode() if out else b"")], deadline)
+        offer = bytearray(OFFER.size)
+        recv_exact(sock, memoryview(offer), deadline)
+        magic, name = OFFER.unpack(offer)
+        if magic != OFFER_MAGIC:
+            raise ProtocolError("bad shared-memory offer")
+        name = name.rstrip(b"\0")
+        incoming = None
+        if name and _NAME.fullmatch(name) and enabled():
+            try:
+                incoming = Region(name.decode(), create=False)
+            except OSError:
+                incoming = None  # another machine, or /dev/shm unusable: TCP
+        send_parts(sock, [b"\x01" if incoming else b"\x00"], deadline)
+        reply = bytearray(1)
+        recv_exact(sock, memoryview(reply), deadline)
+    finally:
+        if out is not None:
+            out.unlink()
+    return (out if reply[0] == 1 else None), incoming
+
+
+def _check_peer(sock: socket.socket) -> None:
+    """Raise PeerClosed if the peer has closed the socket (without consuming anything)."""
+    try:
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            raise PeerClosed("peer closed the connection")
+    except BlockingIOError:
+        pass
+
+
+def _wait_free(region: Region, i: int, sock: socket.socket, deadline: float) -> None:
+    """Wait until the peer has copied slot `i` out; a dead peer or the deadline ends the wait."""
+    delay = 1e-5
+    while region.busy(i):
+        if time.monotonic() >= deadline:
+            raise WireTimeout()
+        _check_peer(sock)
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+
+
+def send(region: Region, sock: socket.socket, header: bytes, payload: torch.Tensor,
+         deadline: float) -> None:
+    """Send a frame whose payload (1-D uint8) goes slot by slot through `region`."""
+    send_parts(sock, [mark(header)], deadline)
+    for start in range(0, payload.numel(), SLOT_BYTES):
+        piece = payload[start:start + SLOT_BYTES]
+        i = region.take_slot()
+        _wait_free(region, i, sock, deadline)
+        region.slot(i, piece.numel()).copy_(piece)
+        region.set_busy(i, True)
+        send_parts(sock, [DOORBELL], deadline)
+
+
+def receive(region: Region, sock: socket.socket, target: torch.Tensor | None, nbytes: int,
+            deadline: float) -> None:
+    """Receive a marked frame's payload into `target` (1-D uint8), or drop it if None."""
+    bell = bytearray(1)
+    for start in range(0, nbytes, SLOT_BYTES):
+        recv_exact(sock, memoryview(bell), deadline)
+        if bytes(bell) != DOORBELL:
+            raise ProtocolError("bad shared-memory doorbell")
+        i = region.take_slot()
+        n = min(SLOT_BYTES, nbytes - start)
+        if target is not None:
+            target[start:start + n].copy_(region.slot(i, n))
+        region.set_busy(i, False)
