@@ -3,8 +3,9 @@
     from course_lib import dist
     dist.all_reduce(t, op=dist.ReduceOp.SUM, algorithm="ring")
 
-Layers, each its own file: `wire` (frames, handshake) -> `peer` (one link: tags, timeouts)
--> `transport` (the mesh) -> `group` (ranks, sub-groups, set-up) -> `p2p` and `collectives`.
+Layers, each its own file: `wire` (frames, handshake) -> `peer` (one link: tags, timeouts;
+large payloads to a rank on the same machine through `shm`) -> `transport` (the mesh) ->
+`group` (ranks, sub-groups, set-up) -> `p2p` and `collectives`.
 """
 
 from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadcast, gather,
