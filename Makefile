@@ -14,6 +14,6 @@ bench:
 	$(PYTHON) course.py bench allreduce --world 2 --backends scratch,gloo,mpi --algorithms ring,tree --sizes 4KiB,1MiB,16MiB --json bench-results/allreduce-w2.json --plot bench-results/allreduce-w2.png
 	$(PYTHON) course.py bench allreduce --world 4 --backends scratch,gloo,mpi --algorithms ring,tree --sizes 4KiB --json bench-results/allreduce-w4.json
 	$(PYTHON) course.py bench ddp --world 2 --json bench-results/ddp.json --plot bench-results/ddp.png
-	$(PYTHON) course.py bench ddp --world 2 --hidden 256 --layers 64 --json bench-results/ddp-many.json
+	$(PYTHON) course.py bench ddp --world 2 --model mlp --json bench-results/ddp-mlp.json
 	$(PYTHON) course.py bench tp --json bench-results/tp.json --plot bench-results/tp.png
 	$(PYTHON) course.py bench pipeline --stages 2,4 --json bench-results/pipeline.json --plot bench-results/pipeline.png

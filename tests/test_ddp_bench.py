@@ -15,7 +15,8 @@ from course_lib.bench import ddp as bench
 
 def test_benchmark_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
-    variants = "torch_ddp/gloo,ddp/gloo,ddp/scratch,per_param/scratch,bucketed/gloo"
+    variants = ("torch_ddp/gloo,torch_ddp_view/gloo,ddp/gloo,ddp/scratch,per_param/scratch,"
+                "bucketed/gloo")
     assert bench_cli.main(["ddp", "--world", "2", "--variants", variants, "--hidden", "32",
                            "--layers", "2", "--batch", "4", "--bucket-mb", "0.001",
                            "--iters", "2", "--warmup", "1", "--timeout", "120",
@@ -23,11 +24,23 @@ def test_benchmark_rows_json_and_plot(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["local"] + variants.split(",")
     for r in rows:
-        assert r["world"] == 2 and r["iter_ms"] > 0 and r["params"] == 2 * (32 * 32 + 32)
+        # two blocks: LayerNorm (2h), up (4h*h + 4h), down (4h*h + h)
+        assert r["world"] == 2 and r["iter_ms"] > 0 and r["params"] == 2 * (8 * 32 * 32 + 7 * 32)
+        assert r["model"] == "blocks"
         assert r["efficiency"] == pytest.approx(rows[0]["iter_ms"] / r["iter_ms"])
         assert (r["ddp_wait_ms"] is not None) == r["variant"].startswith("ddp/")
     assert [r["vs_torch_ddp"] for r in rows if r["variant"] == "torch_ddp/gloo"] == [1.0]
     assert png.stat().st_size > 0
+
+
+def test_square_mlp_model_and_default_variants(tmp_path):
+    out = tmp_path / "ddp.json"
+    assert bench_cli.main(["ddp", "--world", "2", "--model", "mlp", "--hidden", "16",
+                           "--layers", "3", "--batch", "4", "--iters", "1", "--warmup", "0",
+                           "--timeout", "120", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(bench.DEFAULT_VARIANTS)
+    assert {r["params"] for r in rows} == {3 * (16 * 16 + 16)} and rows[0]["model"] == "mlp"
 
 
 def test_unknown_variant_is_refused():

@@ -1,6 +1,9 @@
 """ddp: our DistributedDataParallel (scratch and gloo) vs torch DDP, and the lesson's variants.
 
-Every variant trains its own copy of the same MLP on the same per-rank batch, with the same
+The default model is a stack of transformer-style MLP blocks (LayerNorm, 4x up, GELU, down,
+residual): many parameters of mixed sizes, as in real models. `--model mlp` is a plain stack
+of square layers: a few large parameters, the case where per-parameter sync is already fine.
+Every variant trains its own copy of the same model on the same per-rank batch, with the same
 bucket size, in the same processes, interleaved iteration by iteration, so the machine's noise
 hits all of them alike. Per variant: median iteration time of the slowest rank, the cost of
 communication left exposed (iteration time minus the same step without any communication, the
@@ -16,9 +19,15 @@ from typing import Any
 from course_lib.bench.common import median, slowest_rank
 
 # name -> (implementation, backend); "local" runs the same step without communicating.
+# The lesson's other steps are asked for by name: "flat" and "bucketed" allocate and free a
+# buffer the size of all gradients every step, which raises glibc's mmap and trim thresholds for
+# the whole process and so spares every other variant the page faults it pays when run alone.
+DEFAULT_VARIANTS = ("local", "torch_ddp/gloo", "torch_ddp_view/gloo", "ddp/gloo", "ddp/scratch",
+                    "per_param/scratch")
 VARIANTS = {
     "local": ("local", None),
     "torch_ddp/gloo": ("torch_ddp", "gloo"),
+    "torch_ddp_view/gloo": ("torch_ddp_view", "gloo"),  # gradient_as_bucket_view=True, like ours
     "ddp/gloo": ("ddp", "gloo"),
     "ddp/scratch": ("ddp", "scratch"),
     "per_param/scratch": ("per_param", "scratch"),
@@ -32,13 +41,18 @@ VARIANTS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width")
-    p.add_argument("--layers", type=int, default=8, help="MLP depth (hidden x hidden layers)")
+    p.add_argument("--model", choices=sorted(MODELS), default="blocks",
+                   help="blocks: transformer-style MLP blocks (many mixed-size parameters); "
+                        "mlp: square linear layers (a few large ones)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="width (default: blocks 256, mlp 1024)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="blocks or layers (default: blocks 16, mlp 8; both 32 MiB of gradients)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket_cap_mb for every DDP")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
 
@@ -54,6 +68,41 @@ def make_mlp(hidden: int, layers: int, seed: int = 0):
     return nn.Sequential(*mods[:-1])
 
 
+def make_blocks(hidden: int, layers: int, seed: int = 0):
+    """`layers` residual blocks x + down(gelu(up(norm(x)))): six parameters each, of four sizes."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(hidden)
+            self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block() for _ in range(layers)])
+
+
+# model -> (builder, default hidden, default layers)
+MODELS = {"blocks": (make_blocks, 256, 16), "mlp": (make_mlp, 1024, 8)}
+
+
+def model_config(model: str = "blocks", hidden: int | None = None,
+                 layers: int | None = None) -> tuple[str, int, int]:
+    """(model, hidden, layers) with the model's defaults filled in."""
+    _, default_hidden, default_layers = MODELS[model]
+    return model, hidden or default_hidden, layers or default_layers
+
+
+def make_model(args: dict):
+    """The benchmark's model for `args` (model defaults to "mlp", as the lesson calls it)."""
+    model, hidden, layers = model_config(args.get("model", "mlp"), args["hidden"], args["layers"])
+    return MODELS[model][0](hidden, layers)
+
+
 def make_step(name: str, args: dict, dists: dict):
     """Build variant `name`'s model; return (step(), exposed_wait() or None). `dists` maps a
     backend name to its `dist` module (and "rank" to this rank)."""
@@ -63,10 +112,11 @@ def make_step(name: str, args: dict, dists: dict):
     from course_lib import ddp
 
     impl, backend = VARIANTS[name]
-    model = make_mlp(args["hidden"], args["layers"])
+    model = make_model(args)
     dist = dists.get(backend)
-    if impl == "torch_ddp":
-        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
+    if impl.startswith("torch_ddp"):
+        model = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=args["bucket_mb"], gradient_as_bucket_view=impl.endswith("view"))
     elif impl == "ddp":
         model = ddp.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"], dist=dist)
     params = [p for p in model.parameters()]
@@ -130,11 +180,12 @@ def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
     """One row per variant from every rank's `measure` results (slowest rank, median)."""
     from course_lib.ddp import MiB
 
-    n_params = args["layers"] * (args["hidden"] * args["hidden"] + args["hidden"])
+    n_params = sum(p.numel() for p in make_model(args).parameters())
     rows = []
     for n in names:
         per_iter = slowest_rank([r["times"][n] for r in results])
-        rows.append({"variant": n, "world": len(results), "params": n_params,
+        rows.append({"variant": n, "model": args.get("model", "mlp"), "world": len(results),
+                     "params": n_params,
                      "grad_mib": n_params * 4 / MiB, "bucket_mb": args["bucket_mb"],
                      "iter_ms": 1e3 * median(per_iter)})
         waits = [r["waits"][n] for r in results]
@@ -160,8 +211,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         names.remove("local")
     names.insert(0, "local")  # the baseline comes first: summarize() measures against it
     backend = "scratch" if any(VARIANTS[n][1] == "scratch" for n in names) else "gloo"
-    conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "bucket_mb", "iters",
-                                           "warmup", "timeout")}
+    conf = {k: getattr(args, k) for k in ("batch", "bucket_mb", "iters", "warmup", "timeout")}
+    conf["model"], conf["hidden"], conf["layers"] = model_config(args.model, args.hidden,
+                                                                 args.layers)
     results = spawn(_worker, args.world, conf, names, free_port(), backend, backend=backend,
                     timeout=args.timeout)
     return summarize(results, names, conf)
