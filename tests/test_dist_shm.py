@@ -113,6 +113,24 @@ def region_sized_file_elsewhere():
     os.unlink(path)
 
 
+def negotiate_with_fake_peer(offer_name: bytes) -> tuple[tuple, bytes, bytes]:
+    """Run our side of `negotiate` against a peer that offers `offer_name` and says it could
+    not map ours; returns (our regions, the name we offered, our reply)."""
+    a, b = socket.socketpair()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(regions=shm.negotiate(a, time.monotonic() + 5)))
+    t.start()
+    ours = bytearray(shm.OFFER.size)
+    b.recv_into(ours, len(ours), socket.MSG_WAITALL)
+    b.sendall(shm.OFFER.pack(shm.OFFER_MAGIC, offer_name))
+    reply = b.recv(1)
+    b.sendall(b"\x00")
+    t.join(5)
+    a.close()
+    b.close()
+    return out["regions"], shm.OFFER.unpack(ours)[1].rstrip(b"\0"), reply
+
+
 @pytest.mark.parametrize("kind", ["traversal", "absolute", "missing"])
 def test_foreign_or_missing_region_names_fall_back_to_tcp(kind, region_sized_file_elsewhere):
     """A peer's offer is only a name matching our pattern that exists: nothing else is opened."""
@@ -120,24 +138,19 @@ def test_foreign_or_missing_region_names_fall_back_to_tcp(kind, region_sized_fil
     name = {"traversal": relative,
             "absolute": os.path.normpath(os.path.join(shm.SHM_DIR.encode(), relative)),
             "missing": b"course_lib-dist-" + b"0" * 32}[kind]
-    a, b = socket.socketpair()
-    deadline = time.monotonic() + 5
-    out: dict = {}
-
-    def real_side() -> None:
-        out["regions"] = shm.negotiate(a, deadline)
-
-    t = threading.Thread(target=real_side)
-    t.start()
-    offer = bytearray(shm.OFFER.size)
-    b.recv_into(offer, len(offer), socket.MSG_WAITALL)
-    b.sendall(shm.OFFER.pack(shm.OFFER_MAGIC, name))
-    reply_to_them = b.recv(1)
-    b.sendall(b"\x00")  # "we could not map yours"
-    t.join(5)
-    a.close()
-    b.close()
-    outgoing, incoming = out["regions"]
-    assert incoming is None and reply_to_them == b"\x00"
+    (outgoing, incoming), ours, reply = negotiate_with_fake_peer(name)
+    assert incoming is None and reply == b"\x00"
     assert outgoing is None  # refused by the other side, so not used
-    assert shm.OFFER.unpack(offer)[1].rstrip(b"\0").decode() not in leftover_regions()
+    assert ours.decode() not in leftover_regions()
+
+
+def test_full_dev_shm_falls_back_to_tcp_and_leaves_no_file(monkeypatch):
+    """Docker's /dev/shm is 64 MiB: when it is full, the link is plain TCP (no SIGBUS later)."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    before = leftover_regions()
+    (outgoing, incoming), ours, _ = negotiate_with_fake_peer(b"")
+    assert outgoing is None and incoming is None and ours == b""  # nothing offered
+    assert leftover_regions() <= before

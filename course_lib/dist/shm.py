@@ -67,10 +67,16 @@ class Region:
         fd = os.open(self.path, mode, 0o600)
         try:
             if create:
-                os.ftruncate(fd, REGION_BYTES)
+                # Reserve the pages now: a full /dev/shm (Docker's is 64 MiB) fails here, with
+                # ENOSPC, instead of killing the process with SIGBUS on its first write.
+                os.posix_fallocate(fd, 0, REGION_BYTES)
             elif os.fstat(fd).st_size != REGION_BYTES:
                 raise OSError(f"shared memory region {name} has the wrong size")
             self._map = mmap.mmap(fd, REGION_BYTES)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
         # Never unmapped by hand: a thread may still be copying; the mapping goes with the object.
