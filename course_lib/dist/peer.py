@@ -26,7 +26,8 @@ from course_lib.dist.wire import (ABORT_TAG, HEADER, PeerClosed, WireTimeout, by
                                   send_parts, try_send)
 
 log = logging.getLogger("course_lib.dist")
-INLINE_MAX = shm.MIN_BYTES  # an isend up to this size tries the socket at once, on the caller's thread
+INLINE_MAX = shm.MIN_BYTES  # an isend up to this size tries the socket at once, on the caller's
+# thread; larger payloads go to the sender thread (and, to a rank on this machine, through shm)
 
 
 def seconds(timeout: float | timedelta) -> float:
@@ -428,6 +429,7 @@ class Peer:
         if not queue:
             del self._posted[tag]
         return req
+
     def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
                       deadline: float) -> None:
         """Read a frame's payload into `buffer` (contiguous), or drop it if None."""
