@@ -68,6 +68,7 @@ def intruders(rank: int, world: int) -> dict:
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("course_lib.dist").addHandler(handler)
     transport = group._world.transport
+    out["own_address"] = tuple(dist.get_address()) == tuple(transport.addresses[rank])
     dist.barrier()
     if rank == 1:
         target = transport.addresses[0]
@@ -115,6 +116,7 @@ def intruders(rank: int, world: int) -> dict:
 
 def test_intruders_are_rejected_and_the_group_keeps_working():
     r0, r1 = spawn(intruders, 2, backend="scratch", timeout=GROUP_TIMEOUT)
+    assert r0["own_address"] and r1["own_address"]  # dist.get_address(): where intruders knock
     assert r1["garbage"] == r1["pickle"] == r1["nothing"] == b""
     assert r1["wrong_secret"] == (64, b""), r1  # the listener still answered, then hung up
     warnings = r0["warnings"]
@@ -125,3 +127,10 @@ def test_intruders_are_rejected_and_the_group_keeps_working():
     assert r0["all_reduce_ok"] and r1["all_reduce_ok"]
     assert r0["malformed"].startswith("rank 0: recv from rank 1 failed: malformed frame"), r0
     assert any("malformed frame" in w for w in r0["warnings_after"])
+
+
+def test_get_address_needs_an_initialized_group():
+    from course_lib import dist
+
+    with pytest.raises(RuntimeError, match="get_address: the process group is not initialized"):
+        dist.get_address()

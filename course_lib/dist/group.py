@@ -237,5 +237,10 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return (group or _world).size
 
 
+def get_address() -> tuple[str, int]:
+    """Where this rank listens for its peers (host, port): what a stranger could connect to."""
+    return resolve(None, "get_address").transport.listener.address
+
+
 def get_backend(group: ProcessGroup | None = None) -> str:
     return "scratch"
