@@ -182,7 +182,7 @@ class Peer:
         tensor = tensor.detach().contiguous()
         parts: list = [encode_header(tag, tensor), byte_view(tensor)]
         if self._shm_out is not None and len(parts[1]) > shm.MIN_BYTES:
-            parts[1] = tensor.reshape(-1).view(torch.uint8)  # a tensor payload: via shared memory
+            parts[1] = tensor  # a tensor payload: via shared memory
         work = Work(deadline, (self.rank, op, "send to", self.peer))
         with self._send_cond:
             self._check_alive(op, "send to")
@@ -434,8 +434,7 @@ class Peer:
                       deadline: float) -> None:
         """Read a frame's payload into `buffer` (contiguous), or drop it if None."""
         if via_shm:
-            target = None if buffer is None else buffer.reshape(-1).view(torch.uint8)
-            shm.receive(self._shm_in, self._rsock, target, nbytes, deadline)
+            shm.receive(self._shm_in, self._rsock, buffer, nbytes, deadline)
         elif buffer is None:
             self._drain(nbytes, deadline)
         else:

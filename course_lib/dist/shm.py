@@ -159,9 +159,15 @@ def _wait_free(region: Region, i: int, sock: socket.socket, deadline: float) -> 
         delay = min(2 * delay, 1e-3)
 
 
-def send(region: Region, sock: socket.socket, header: bytes, payload: torch.Tensor,
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a 1-D uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def send(region: Region, sock: socket.socket, header: bytes, tensor: torch.Tensor,
          deadline: float) -> None:
-    """Send a frame whose payload (1-D uint8) goes slot by slot through `region`."""
+    """Send a frame whose payload (the contiguous `tensor`) goes slot by slot through `region`."""
+    payload = _bytes_of(tensor)
     send_parts(sock, [mark(header)], deadline)
     for start in range(0, payload.numel(), SLOT_BYTES):
         piece = payload[start:start + SLOT_BYTES]
@@ -174,7 +180,8 @@ def send(region: Region, sock: socket.socket, header: bytes, payload: torch.Tens
 
 def receive(region: Region, sock: socket.socket, target: torch.Tensor | None, nbytes: int,
             deadline: float) -> None:
-    """Receive a marked frame's payload into `target` (1-D uint8), or drop it if None."""
+    """Receive a marked frame's payload into `target` (contiguous), or drop it if None."""
+    target = None if target is None else _bytes_of(target)
     bell = bytearray(1)
     for start in range(0, nbytes, SLOT_BYTES):
         recv_exact(sock, memoryview(bell), deadline)
