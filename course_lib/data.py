@@ -9,19 +9,7 @@ from typing import Any, Iterator, Sized
 
 import torch
 
-
-def default_dist(dist: Any = None) -> Any:
-    """The `dist`-like module to use: the one given, else torch.distributed if it is
-    initialized, else `course_lib.dist` (the contract in CONTRIBUTING.md)."""
-    if dist is not None:
-        return dist
-    import torch.distributed as tdist
-
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist
-    from course_lib import dist as scratch
-
-    return scratch
+from course_lib.backend import default_dist
 
 
 def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,

@@ -15,18 +15,9 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from course_lib.data import default_dist
+from course_lib.backend import default_dist, global_rank
 
 MiB = 1024 * 1024
-
-
-def src_rank(dist: Any, group: Any = None) -> int:
-    """The global rank of the group's first member (broadcasts take global ranks, as in torch)."""
-    if group is None:
-        return 0
-    if hasattr(dist, "get_global_rank"):
-        return dist.get_global_rank(group, 0)
-    return list(group.ranks)[0]
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -187,7 +178,7 @@ class DistributedDataParallel(nn.Module):
         self.dist = default_dist(dist)
         self.group = group
         self.world_size = self.dist.get_world_size(group)
-        self.src = src_rank(self.dist, group)
+        self.src = global_rank(self.dist, group, 0)  # the group's first rank
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from course_lib.data import default_dist
+from course_lib.backend import default_dist, global_rank
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 MAX_DIMS = 8
@@ -112,17 +112,10 @@ class PipelineStage:
                              "rank i")
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.prev = None if self.is_first else self._global(stage_index - 1)
-        self.next = None if self.is_last else self._global(stage_index + 1)
+        self.prev = None if self.is_first else global_rank(self.dist, group, stage_index - 1)
+        self.next = None if self.is_last else global_rank(self.dist, group, stage_index + 1)
         self._posted: dict[tuple[int, int], tuple] = {}
         self._sending: list[tuple] = []  # (work, tensor kept alive until sent, peer, what)
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        if not hasattr(self.dist, "get_global_rank"):
-            raise ValueError("a pipeline on a sub-group needs dist.get_global_rank")
-        return self.dist.get_global_rank(self.group, group_rank)
 
     def _fail(self, what: str, peer: int, exc: Exception) -> RuntimeError:
         me = self.dist.get_rank()

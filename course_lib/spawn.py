@@ -10,92 +10,29 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import secrets
-import socket
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable
 
-BACKENDS = ("gloo", "scratch", "none")
+from course_lib import backend as backends
+from course_lib.processes import RankError, end_processes, record
+
 STARTUP_TIMEOUT = 60.0
+SpawnError = RankError  # the name tests and scripts know; one error type for failed ranks
 
 
-class SpawnError(RuntimeError):
-    """One or more ranks failed, died or timed out; `failures` maps rank -> message."""
-
-    def __init__(self, operation: str, failures: dict[int, str]):
-        self.failures = dict(sorted(failures.items()))
-        lines = [f"{operation}: {len(self.failures)} rank(s) failed"]
-        lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
-        super().__init__("\n".join(lines))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual rendezvous race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def init_backend(backend: str, rank: int, world_size: int, *, timeout: float,
-                 gloo_port: int | None = None, master_addr: str = "127.0.0.1",
-                 addresses: list | None = None,
-                 secret: bytes | None = None) -> None:
-    """Initialize `backend` in this process (shared by `spawn` and `course_lib.cluster`)."""
-    import torch
-
-    torch.set_num_threads(1)
-    if backend == "gloo":
-        import torch.distributed as tdist
-
-        tdist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{gloo_port}",
-                                 rank=rank, world_size=world_size,
-                                 timeout=timedelta(seconds=timeout))
-    elif backend == "scratch":
-        from course_lib import dist
-
-        dist.init_process_group("scratch", rank=rank, world_size=world_size,
-                                addresses=addresses, secret=secret, timeout=timeout)
-    elif backend != "none":
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-
-
-def shutdown_backend(backend: str) -> None:
-    """Tear down whatever `init_backend` set up, ignoring a group that is already gone."""
+def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args, kwargs):
     try:
-        if backend == "gloo":
-            import torch.distributed as tdist
-
-            if tdist.is_initialized():
-                tdist.destroy_process_group()
-        elif backend == "scratch":
-            from course_lib import dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-
-
-def _worker(rank, world_size, backend, timeout, gloo_port, to_parent, from_parent, fn, args,
-            kwargs):
-    try:
-        addresses = secret = None
-        if backend == "scratch":
-            from course_lib import dist
-
-            to_parent.put(("addr", rank, dist.listen()))
-            addresses, secret = from_parent.get(timeout=timeout)
-        init_backend(backend, rank, world_size, timeout=timeout, gloo_port=gloo_port,
-                     addresses=addresses, secret=secret)
+        to_parent.put(("addr", rank, backends.prepare(backend, rank)))
+        init_kwargs = from_parent.get(timeout=timeout)
+        backends.init(backend, rank, world_size, timeout=timeout, **init_kwargs)
         to_parent.put(("ready", rank, None))
         result = fn(rank, world_size, *args, **kwargs)
         to_parent.put(("ok", rank, result))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         to_parent.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        shutdown_backend(backend)
+        backends.shutdown(backend)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -108,14 +45,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    backends.check_backend(backend)
     ctx = mp.get_context("spawn")
     to_parent = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(world_size)]
-    gloo_port = free_port() if backend == "gloo" else None
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, backend, timeout, gloo_port, to_parent,
+                         args=(r, world_size, backend, timeout, to_parent,
                                inboxes[r], fn, args, kwargs))
              for r in range(world_size)]
     # Start-up (imports, rendezvous) gets its own allowance; `timeout` counts once all are ready.
@@ -148,10 +83,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             elif kind == "addr":
                 addresses[rank] = payload
                 if len(addresses) == world_size:
-                    secret = secrets.token_bytes(32)
-                    table = [addresses[r] for r in range(world_size)]
+                    init_kwargs = backends.rendezvous(backend, [addresses[r]
+                                                                for r in range(world_size)])
                     for inbox in inboxes:
-                        inbox.put((table, secret))
+                        inbox.put(init_kwargs)
             elif kind == "ok":
                 results[rank] = payload
             else:
@@ -165,13 +100,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
 
 
 def _end_processes(procs: list, grace: float = 5.0) -> None:
-    """Join each process briefly, then kill it by PID; never leaves one behind."""
+    """Give each process `grace` seconds to exit, end the rest by PID, and reap them all."""
     end = time.monotonic() + grace
     for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.kill()
+        if p.pid is not None:
+            p.join(max(0.0, end - time.monotonic()))
+    stragglers = [entry for p in procs if p.pid is not None and p.is_alive()
+                  for entry in record(p.pid)]
+    end_processes(stragglers, reap=False)  # multiprocessing reaps its own children
+    for p in procs:
+        if p.pid is not None:
             p.join(5.0)
-

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.data import default_dist
+from course_lib.backend import default_dist
 
 
 def divide(n: int, world_size: int, what: str) -> int:

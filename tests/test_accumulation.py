@@ -23,7 +23,7 @@ def micro_batches(step: int, rank: int, world: int, k: int = K, b: int = B):
 
 
 def accumulation_worker(rank: int, world: int, optimizers: tuple) -> dict:
-    from course_lib.data import default_dist
+    from course_lib.backend import default_dist
     from course_lib.ddp import DistributedDataParallel
 
     out = {}

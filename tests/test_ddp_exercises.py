@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from course_lib.accumulation import accumulation_step
-from course_lib.data import default_dist, shard_indices
+from course_lib.backend import default_dist
+from course_lib.data import shard_indices
 from course_lib.ddp import (allreduce_grads_flat, buckets_to_launch, flatten_into,
                             unflatten_to_grads)
 from course_lib.grading import grade_function

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from course_lib.spawn import free_port
+from course_lib.backend import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib.data import default_dist
+from course_lib.backend import default_dist
 from course_lib.spawn import spawn
 from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         TensorParallelAttention, TensorParallelMLP, shard)

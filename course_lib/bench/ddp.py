@@ -165,13 +165,13 @@ def _worker(rank: int, world: int, args: dict, names: list[str], gloo_port: int,
             backend: str) -> dict:
     import torch.distributed as tdist
 
-    from course_lib.spawn import init_backend
+    from course_lib import backend as backends
 
     dists: dict[Any, Any] = {"rank": rank, "gloo": tdist}
     if backend == "scratch":  # spawn set up scratch; add gloo so both run in the same processes
         from course_lib import dist as scratch
 
-        init_backend("gloo", rank, world, timeout=args["timeout"], gloo_port=gloo_port)
+        backends.init("gloo", rank, world, timeout=args["timeout"], gloo_port=gloo_port)
         dists["scratch"] = scratch
     return measure(names, args, dists)
 
@@ -201,7 +201,8 @@ def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from course_lib.spawn import free_port, spawn
+    from course_lib.backend import free_port
+    from course_lib.spawn import spawn
 
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]

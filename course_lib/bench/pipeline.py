@@ -36,7 +36,7 @@ def run_stage(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch
     from torch import nn
 
-    from course_lib.data import default_dist
+    from course_lib.backend import default_dist
     from course_lib.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
 
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     from torch import nn
 
     from course_lib.accumulation import saved_activation_bytes
-    from course_lib.data import default_dist
+    from course_lib.backend import default_dist
     from course_lib.tensor_parallel import TensorParallelMLP
 
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadc
                                          reduce, reduce_scatter, scatter)
 from course_lib.dist.errors import DistError, DistTimeoutError
 from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group, get_address,
-                                   get_backend, get_rank, get_world_size, init_process_group,
+                                   get_backend, get_global_rank,
+                                   get_process_group_ranks, get_rank, get_world_size, init_process_group,
                                    is_initialized, listen, new_group)
 from course_lib.dist.p2p import irecv, isend, recv, send
 from course_lib.dist.peer import Work
@@ -20,7 +21,7 @@ from course_lib.dist.peer import Work
 __all__ = [
     "DistError", "DistTimeoutError", "ProcessGroup", "ReduceOp", "Work",
     "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group", "gather",
-    "get_address", "get_backend", "get_rank", "get_world_size", "init_process_group", "irecv",
+    "get_address", "get_backend", "get_global_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group", "irecv",
     "is_initialized", "isend", "listen", "new_group", "recv", "reduce", "reduce_scatter",
     "scatter", "send",
 ]

@@ -203,12 +203,17 @@ def is_initialized() -> bool:
 
 def resolve(group: ProcessGroup | None, op: str) -> ProcessGroup:
     """The group to use: the world by default; checks this rank belongs to it."""
+    group = resolve_any(group, op)
+    group.check_member(op)
+    return group
+
+
+def resolve_any(group: ProcessGroup | None, op: str) -> ProcessGroup:
+    """The group to use (the world by default), whether or not this rank is a member."""
     if _world is None:
         raise RuntimeError(f"{op}: the process group is not initialized "
                            f"(call init_process_group, or use course_lib.spawn/cluster)")
-    group = _world if group is None else group
-    group.check_member(op)
-    return group
+    return _world if group is None else group
 
 
 def new_group(ranks: Sequence[int] | None = None,
@@ -235,6 +240,20 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     if _world is None:
         raise RuntimeError("get_world_size: the process group is not initialized")
     return (group or _world).size
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s member number `group_rank` (torch.distributed's name)."""
+    group = resolve_any(group, "get_global_rank")
+    if not isinstance(group_rank, int) or not 0 <= group_rank < group.size:
+        raise ValueError(f"get_global_rank: group_rank {group_rank!r} is not in [0, {group.size})"
+                         f" for {group!r}")
+    return group.ranks[group_rank]
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group`'s members, in group-rank order (torch.distributed's name)."""
+    return list(resolve_any(group, "get_process_group_ranks").ranks)
 
 
 def get_address() -> tuple[str, int]:

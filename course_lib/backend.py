@@ -1,0 +1,139 @@
+"""Which process group a component talks to, and how each backend is set up and torn down.
+
+The one home of backend choice: components call `default_dist(dist)` (the `dist`-like contract
+in CONTRIBUTING.md) and `global_rank(dist, group, r)`; `course_lib.spawn` and
+`course_lib.cluster` set a backend up in three steps, the same for both:
+
+    address = prepare(backend, rank, host)              # on every rank
+    kwargs = rendezvous(backend, [address of each rank])  # in the parent / client
+    init(backend, rank, world_size, timeout=..., **kwargs)  # on every rank
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from datetime import timedelta
+from typing import Any
+
+BACKENDS = ("scratch", "gloo", "mpi", "none")
+DEFAULT_BACKEND = "scratch"
+
+
+def check_backend(backend: str, engines: str | None = None) -> None:
+    """ValueError unless `backend` is known and can run on processes started by `engines`
+    ("mpi" for mpiexec; None for plain local processes, as `spawn` starts)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "mpi" and engines != "mpi":
+        where = 'engines="mpi"' if engines is not None else 'course_lib.cluster.start(engines="mpi")'
+        raise ValueError(f'backend="mpi" needs processes started by mpiexec: use {where}')
+
+
+def default_dist(dist: Any = None) -> Any:
+    """The `dist`-like module to use: the one given, else torch.distributed if it is
+    initialized, else `course_lib.dist`."""
+    if dist is not None:
+        return dist
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist
+    from course_lib import dist as scratch
+
+    return scratch
+
+
+def global_rank(dist: Any, group: Any, group_rank: int) -> int:
+    """The global rank of `group`'s member number `group_rank` (src/dst take global ranks, as in
+    torch); the world (group None) maps every rank to itself."""
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual rendezvous race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def prepare(backend: str, rank: int, host: str = "127.0.0.1") -> tuple[str, int] | None:
+    """Step 1, on each rank: the address this rank offers, if its backend needs one
+    (scratch: this rank's listening socket; gloo: rank 0's store port)."""
+    if backend == "scratch":
+        from course_lib import dist
+
+        shutdown("scratch")  # a rebuild: close the old group before opening a new socket
+        return dist.listen(host)
+    if backend == "gloo" and rank == 0:
+        return host, free_port(host)
+    return None
+
+
+def rendezvous(backend: str, addresses: list[tuple[str, int] | None]) -> dict[str, Any]:
+    """Step 2, in one place: the keyword arguments every rank passes to `init`."""
+    if backend == "scratch":
+        return {"addresses": [tuple(a) for a in addresses], "secret": secrets.token_bytes(32)}
+    if backend == "gloo":
+        master_addr, gloo_port = addresses[0]
+        return {"master_addr": master_addr, "gloo_port": gloo_port}
+    return {}
+
+
+def init(backend: str, rank: int, world_size: int, *, timeout: float,
+         gloo_port: int | None = None, master_addr: str = "127.0.0.1",
+         addresses: list | None = None, secret: bytes | None = None) -> None:
+    """Step 3, on each rank: initialize `backend` in this process (one intra-op thread)."""
+    import torch
+
+    check_backend(backend, engines="mpi" if backend == "mpi" else None)
+    torch.set_num_threads(1)
+    shutdown(backend)
+    if backend == "gloo":
+        import torch.distributed as tdist
+
+        tdist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{gloo_port}",
+                                 rank=rank, world_size=world_size,
+                                 timeout=timedelta(seconds=timeout))
+    elif backend == "scratch":
+        from course_lib import dist
+
+        dist.init_process_group("scratch", rank=rank, world_size=world_size,
+                                addresses=addresses, secret=secret, timeout=timeout)
+    elif backend == "mpi":
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() != rank:
+            raise RuntimeError(f"MPI rank {MPI.COMM_WORLD.Get_rank()} and rank {rank} disagree")
+
+
+def shutdown(backend: str) -> None:
+    """Tear down whatever `init` set up, ignoring a group that is already gone."""
+    try:
+        if backend == "gloo":
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+        elif backend == "scratch":
+            from course_lib import dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def dist_module(backend: str) -> Any:
+    """What `%%px` cells see as `dist` for `backend` (None when there is no process group)."""
+    if backend == "scratch":
+        from course_lib import dist
+
+        return dist
+    if backend == "gloo":
+        import torch.distributed as tdist
+
+        return tdist
+    return None

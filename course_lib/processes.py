@@ -1,0 +1,116 @@
+"""Processes this project starts, ended by PID on every path, and the error for failed ranks.
+
+`cluster` (engines, controller), `spawn` (one process per rank) and the batch grader (a kernel
+and whatever it started) all end their processes with `end_processes`, and all report ranks
+that failed with `RankError`. A PID is only ever signalled together with the creation time
+it was recorded with, so a recycled PID is left alone; nothing is killed by name or pattern.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, Iterator
+
+import psutil
+
+Recorded = tuple[int, float]  # (pid, create_time): picklable, and safe against PID reuse
+
+
+class RankError(RuntimeError):
+    """An operation failed on some ranks: `failures` maps rank -> what went wrong there."""
+
+    def __init__(self, what: str, failures: dict[int, str], note: str = ""):
+        self.failures = dict(sorted(failures.items()))
+        self.note = note
+        lines = [f"{what}: {len(self.failures)} rank(s) failed"]
+        lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
+        if note:
+            lines.append(note)
+        super().__init__("\n".join(lines))
+
+
+def record(proc: psutil.Process | int, *, descendants: bool = True) -> list[Recorded]:
+    """`proc` (a PID or psutil.Process) and, by default, all its descendants, as (pid, created);
+    empty for a process that is already gone."""
+    try:
+        p = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+        found = [p] + (p.children(recursive=True) if descendants else [])
+    except psutil.Error:
+        return []
+    out = []
+    for q in found:
+        try:
+            out.append((q.pid, q.create_time()))
+        except psutil.Error:
+            pass
+    return out
+
+
+class ProcessSet:
+    """Every process one owner started, noted as it appears, ended together by `end()`."""
+
+    def __init__(self) -> None:
+        self.recorded: list[Recorded] = []
+
+    def __iter__(self) -> Iterator[Recorded]:
+        return iter(list(self.recorded))
+
+    def add(self, proc: psutil.Process | int | None, *, descendants: bool = True) -> None:
+        """Note `proc` (and its descendants while they still have it as parent)."""
+        if proc is None:
+            return
+        for entry in record(proc, descendants=descendants):
+            if entry not in self.recorded:
+                self.recorded.append(entry)
+
+    def end(self, grace: float = 3.0) -> list[int]:
+        """End every noted process (see `end_processes`) and forget them; returns the killed."""
+        recorded, self.recorded = self.recorded, []
+        return end_processes(recorded, grace)
+
+
+def running(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) has died."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def end_processes(procs: Iterable[Recorded], grace: float = 3.0, *, reap: bool = True) -> list[int]:
+    """TERM each (pid, created) that still runs, KILL what is left after `grace` seconds.
+
+    Never signals this process or a recycled PID. With `reap=False` a zombie counts as ended
+    and is left for its parent to reap (multiprocessing tracks its own children and must do
+    it itself). Returns the PIDs that had to be killed.
+    """
+    alive = []
+    for pid, created in procs:
+        if pid == os.getpid():
+            continue
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created:
+                p.terminate()
+                alive.append(p)
+        except psutil.Error:
+            pass
+    still = _wait(alive, grace, reap)
+    for p in still:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _wait(still, grace, reap)
+    return [p.pid for p in still]
+
+
+def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psutil.Process]:
+    """The processes still running after up to `timeout` seconds."""
+    if reap:
+        return psutil.wait_procs(procs, timeout=timeout)[1]
+    deadline = time.monotonic() + timeout
+    while (still := [p for p in procs if running(p.pid)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return still
