@@ -26,8 +26,8 @@ def check_backend(backend: str, engines: str | None = None) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "mpi" and engines != "mpi":
-        where = 'engines="mpi"' if engines is not None else 'course_lib.cluster.start(engines="mpi")'
-        raise ValueError(f'backend="mpi" needs processes started by mpiexec: use {where}')
+        use = 'engines="mpi"' if engines is not None else 'course_lib.cluster.start(engines="mpi")'
+        raise ValueError(f'backend="mpi" needs processes started by mpiexec: use {use}')
 
 
 def default_dist(dist: Any = None) -> Any:

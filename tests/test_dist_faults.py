@@ -103,7 +103,7 @@ def intruders(rank: int, world: int) -> dict:
     dist.barrier()
     # An authenticated peer that sends a malformed frame: closed, logged, and an error.
     if rank == 1:
-        transport.peer(0)._wsock.sendall(pickle.dumps({"x": 1}).ljust(88, b"\0"))
+        transport.peer(0).sender.sock.sendall(pickle.dumps({"x": 1}).ljust(88, b"\0"))
         time.sleep(0.5)
     else:
         try:

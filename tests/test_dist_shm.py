@@ -46,7 +46,7 @@ def exchange(rank: int, world: int) -> dict:
         w.wait()
     total = mine.clone()
     dist.all_reduce(total)
-    return {"shm": (peer._shm_out is not None, peer._shm_in is not None),
+    return {"shm": (peer.sender.region is not None, peer.receiver.region is not None),
             "big_equal": torch.equal(got, theirs),
             "small_equal": torch.equal(small_got, torch.arange(10) + other),
             "sum_equal": torch.equal(total, mine + theirs)}

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
-from course_lib.dist.peer import Work
+from course_lib.dist.work import Work
 
 SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 AUTO_TREE_MAX_BYTES = 256 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
@@ -288,9 +288,9 @@ def _all_reduce_tree(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int
     mask = 1
     while mask < pof2:
         vpeer = vrank ^ mask
-        peer = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
-        work = g.isend(flat, peer, tag, name)
-        g.recv(tmp, peer, tag, name)
+        peer_rank = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
+        work = g.isend(flat, peer_rank, tag, name)
+        g.recv(tmp, peer_rank, tag, name)
         work.wait()
         reduce_(flat, tmp, op)  # a (op) b == b (op) a bit for bit, so both sides agree
         mask <<= 1
@@ -306,10 +306,10 @@ def _all_reduce_naive(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: in
         g.recv(flat, 0, tag, name)
         return
     tmp = torch.empty_like(flat)
-    for peer in range(1, g.size):
-        g.recv(tmp, peer, tag, name)
+    for peer_rank in range(1, g.size):
+        g.recv(tmp, peer_rank, tag, name)
         reduce_(flat, tmp, op)
-    _wait([g.isend(flat, peer, tag, name) for peer in range(1, g.size)])
+    _wait([g.isend(flat, peer_rank, tag, name) for peer_rank in range(1, g.size)])
 
 
 _ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive}

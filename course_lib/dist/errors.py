@@ -4,12 +4,16 @@ from __future__ import annotations
 
 
 class DistError(RuntimeError):
-    """A distributed operation failed: a dead or misbehaving peer, a mismatch, a closed group."""
+    """A distributed operation failed: a dead or misbehaving peer, a mismatch, a closed group.
 
-    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None,
-                 op: str | None = None):
+    `rank` is this rank, `peer_rank` the other end (None for a whole collective), `operation`
+    the operation's name (e.g. "all_reduce(ring)").
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, peer_rank: int | None = None,
+                 operation: str | None = None):
         super().__init__(message)
-        self.rank, self.peer, self.op = rank, peer, op
+        self.rank, self.peer_rank, self.operation = rank, peer_rank, operation
 
 
 class DistTimeoutError(DistError, TimeoutError):
@@ -20,11 +24,11 @@ class ProtocolError(Exception):
     """Bytes on a connection that are not our protocol: the connection is closed, never trusted."""
 
 
-def describe(rank: int, op: str, direction: str, peer: int, reason: str) -> str:
+def describe(rank: int, name: str, direction: str, peer_rank: int, reason: str) -> str:
     """The one message format: 'rank 1: all_reduce(ring) recv from rank 0 failed: <reason>'.
 
     A point-to-point call already names the direction: 'rank 1: irecv from rank 0 failed: ...'.
     """
-    if op in ("send", "isend", "recv", "irecv"):
+    if name in ("send", "isend", "recv", "irecv"):
         direction = direction.split()[-1]
-    return f"rank {rank}: {op} {direction} rank {peer} failed: {reason}"
+    return f"rank {rank}: {name} {direction} rank {peer_rank} failed: {reason}"

@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import torch
 
 from course_lib.dist.errors import DistError
-from course_lib.dist.peer import Peer, RecvRequest, Work, seconds
+from course_lib.dist.matching import RecvRequest
+from course_lib.dist.peer import Peer
+from course_lib.dist.work import What, Work, seconds
 from course_lib.dist.transport import Listener, Transport
 
 DEFAULT_TIMEOUT = 300.0
@@ -49,10 +51,11 @@ class ProcessGroup:
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, rank={self.rank})"
 
-    def check_member(self, op: str) -> None:
+    def check_member(self, name: str) -> None:
         if self.rank < 0:
-            raise DistError(f"rank {self.transport.rank}: {op} on {self!r} failed: this rank is "
-                            f"not a member of the group", rank=self.transport.rank, op=op)
+            raise DistError(f"rank {self.transport.rank}: {name} on {self!r} failed: this rank "
+                            f"is not a member of the group", rank=self.transport.rank,
+                            operation=name)
 
     def group_rank(self, global_rank: int, what: str) -> int:
         """Index in this group of a global rank given as `src`/`dst` (torch's convention)."""
@@ -72,30 +75,31 @@ class ProcessGroup:
             raise ValueError(f"tag must be an int in [0, {MAX_TAG}], got {tag!r}")
         return (self.id << 32) | tag
 
-    def peer(self, group_rank: int, op: str) -> Peer:
+    def peer(self, group_rank: int, name: str) -> Peer:
         if group_rank == self.rank:
-            raise ValueError(f"rank {self.transport.rank}: {op}: cannot send to or receive "
+            raise ValueError(f"rank {self.transport.rank}: {name}: cannot send to or receive "
                              f"from itself")
         return self.transport.peer(self.ranks[group_rank])
 
-    # Point-to-point by group rank and wire tag: what collectives are written with.
-    def send(self, tensor: torch.Tensor, to: int, tag: int, op: str) -> None:
-        self.peer(to, op).isend(tensor, tag, op, self.deadline(), blocking=True).wait()
+    # Point-to-point by group rank and wire tag: what collectives are written with. `name` is
+    # the operation's name for error messages, e.g. "all_reduce(ring)".
+    def send(self, tensor: torch.Tensor, to: int, tag: int, name: str) -> None:
+        self.peer(to, name).isend(tensor, tag, name, self.deadline(), blocking=True).wait()
 
-    def isend(self, tensor: torch.Tensor, to: int, tag: int, op: str) -> Work:
-        return self.peer(to, op).isend(tensor, tag, op, self.deadline())
+    def isend(self, tensor: torch.Tensor, to: int, tag: int, name: str) -> Work:
+        return self.peer(to, name).isend(tensor, tag, name, self.deadline())
 
-    def recv(self, tensor: torch.Tensor, frm: int, tag: int, op: str) -> None:
-        self.peer(frm, op).recv(tensor, tag, op, self.deadline())
+    def recv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> None:
+        self.peer(frm, name).recv(tensor, tag, name, self.deadline())
 
-    def irecv(self, tensor: torch.Tensor, frm: int, tag: int, op: str) -> RecvRequest:
-        return self.peer(frm, op).irecv(tensor, tag, op, self.deadline())
+    def irecv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> RecvRequest:
+        return self.peer(frm, name).irecv(tensor, tag, name, self.deadline())
 
-    def submit(self, fn: Callable[[], None], op: str) -> Work:
+    def submit(self, fn: Callable[[], None], name: str) -> Work:
         """Run `fn` on the group's worker thread (in call order): what async_op=True returns."""
         if self._worker is None:
             self._worker = _Worker(f"dist-async-{self.transport.rank}-g{self.id}")
-        work = Work(self.deadline(), (self.transport.rank, op, "", None))
+        work = Work(self.deadline(), What(self.transport.rank, name))
         self._worker.put(fn, work)
         return work
 
@@ -128,12 +132,12 @@ class _Worker:
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                work._finish(exc)
+                work.finish(exc)
             else:
-                work._finish()
+                work.finish()
 
     def stop(self) -> None:
-        self.put(None, Work(0.0, (0, "", "", None)))
+        self.put(None, Work(0.0, What(0, "stop")))
         self._thread.join(1.0)
 
 
@@ -201,17 +205,17 @@ def is_initialized() -> bool:
     return _world is not None
 
 
-def resolve(group: ProcessGroup | None, op: str) -> ProcessGroup:
+def resolve(group: ProcessGroup | None, name: str) -> ProcessGroup:
     """The group to use: the world by default; checks this rank belongs to it."""
-    group = resolve_any(group, op)
-    group.check_member(op)
+    group = resolve_any(group, name)
+    group.check_member(name)
     return group
 
 
-def resolve_any(group: ProcessGroup | None, op: str) -> ProcessGroup:
+def resolve_any(group: ProcessGroup | None, name: str) -> ProcessGroup:
     """The group to use (the world by default), whether or not this rank is a member."""
     if _world is None:
-        raise RuntimeError(f"{op}: the process group is not initialized "
+        raise RuntimeError(f"{name}: the process group is not initialized "
                            f"(call init_process_group, or use course_lib.spawn/cluster)")
     return _world if group is None else group
 

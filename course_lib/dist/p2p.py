@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from course_lib.dist.group import ProcessGroup, resolve
-from course_lib.dist.peer import Work
+from course_lib.dist.work import Work
 
 
-def _check(tensor: torch.Tensor, op: str) -> None:
+def _check(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:

@@ -27,7 +27,8 @@ import time
 import torch
 
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import HEADER, PeerClosed, WireTimeout, recv_exact, send_parts
+from course_lib.dist.wire import (FLAG_SHM, PeerClosed, WireTimeout, recv_exact, send_parts,
+                                  with_flags)
 
 SHM_DIR = "/dev/shm"
 SLOTS = 8
@@ -38,24 +39,11 @@ MIN_BYTES = 64 * 1024  # payloads above this go through shared memory
 OFFER = struct.Struct("<8s64s")  # magic, region name (empty: no shared memory offered)
 OFFER_MAGIC = b"CDSTSHM1"
 DOORBELL = b"\x01"
-_FLAGS_AT = struct.calcsize(HEADER.format[:5])  # the header's reserved field: our flags
-_VIA_SHM = 1
 _NAME = re.compile(rb"course_lib-dist-[0-9a-f]{32}")
 
 
 def enabled() -> bool:
     return os.path.isdir(SHM_DIR) and os.environ.get("COURSE_DIST_SHM", "1") != "0"
-
-
-def mark(header: bytes) -> bytes:
-    """The same header, flagged "payload in shared memory"."""
-    flagged = bytearray(header)
-    flagged[_FLAGS_AT:_FLAGS_AT + 2] = _VIA_SHM.to_bytes(2, "little")
-    return bytes(flagged)
-
-
-def is_marked(header: memoryview | bytes) -> bool:
-    return int.from_bytes(header[_FLAGS_AT:_FLAGS_AT + 2], "little") == _VIA_SHM
 
 
 class Region:
@@ -168,7 +156,7 @@ def send(region: Region, sock: socket.socket, header: bytes, tensor: torch.Tenso
          deadline: float) -> None:
     """Send a frame whose payload (the contiguous `tensor`) goes slot by slot through `region`."""
     payload = _bytes_of(tensor)
-    send_parts(sock, [mark(header)], deadline)
+    send_parts(sock, [with_flags(header, FLAG_SHM)], deadline)
     for start in range(0, payload.numel(), SLOT_BYTES):
         piece = payload[start:start + SLOT_BYTES]
         i = region.take_slot()

@@ -50,8 +50,8 @@ class Listener:
             try:
                 conn.settimeout(None)
                 deadline = time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT)
-                peer = server_handshake(conn, secret, rank, world_size, deadline)
-                on_peer(peer, _tune(conn), deadline)
+                peer_rank = server_handshake(conn, secret, rank, world_size, deadline)
+                on_peer(peer_rank, _tune(conn), deadline)
             except (ProtocolError, OSError) as exc:
                 log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2],
                             exc or type(exc).__name__)
@@ -110,15 +110,16 @@ class Transport:
         listener.start(secret, rank, world_size, timeout, self._accepted)
         deadline = time.monotonic() + timeout
         try:
-            for peer in range(rank + 1, world_size):
+            for peer_rank in range(rank + 1, world_size):
                 try:
-                    sock = _connect(addresses[peer], deadline)
-                    client_handshake(sock, secret, rank, peer, deadline)
-                    self._add(peer, _tune(sock), deadline)
+                    sock = _connect(addresses[peer_rank], deadline)
+                    client_handshake(sock, secret, rank, peer_rank, deadline)
+                    self._add(peer_rank, _tune(sock), deadline)
                 except (OSError, ProtocolError) as exc:
-                    raise DistError(f"rank {rank}: init_process_group connect to rank {peer} at "
-                                    f"{addresses[peer]} failed: {exc or type(exc).__name__}",
-                                    rank=rank, peer=peer, op="init_process_group") from None
+                    raise DistError(f"rank {rank}: init_process_group connect to rank "
+                                    f"{peer_rank} at {addresses[peer_rank]} failed: "
+                                    f"{exc or type(exc).__name__}", rank=rank,
+                                    peer_rank=peer_rank, operation="init_process_group") from None
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self.peers) == world_size - 1,
                                            max(0.0, deadline - time.monotonic())):
@@ -126,31 +127,34 @@ class Transport:
                     raise DistTimeoutError(
                         f"rank {rank}: init_process_group failed: timed out after {timeout:g}s "
                         f"waiting for rank(s) {missing} to connect", rank=rank,
-                        peer=missing[0], op="init_process_group")
+                        peer_rank=missing[0], operation="init_process_group")
                 self._ready = True
         except BaseException:
             self.close()
             raise
 
-    def _add(self, peer: int, sock: socket.socket, deadline: float) -> None:
+    def _add(self, peer_rank: int, sock: socket.socket, deadline: float) -> None:
         regions = shm.negotiate(sock, deadline)  # before the Peer's threads touch the socket
         with self._cond:
-            self.peers[peer] = Peer(self.rank, peer, sock, self.timeout, self.abort, regions)
+            self.peers[peer_rank] = Peer(self.rank, peer_rank, sock, self.timeout, self.abort,
+                                         regions)
             self._cond.notify_all()
 
-    def _accepted(self, peer: int, sock: socket.socket, deadline: float) -> None:
+    def _accepted(self, peer_rank: int, sock: socket.socket, deadline: float) -> None:
         """A connection that passed the handshake: keep it if it is one we are waiting for."""
         with self._cond:
-            expected = not self._ready and peer < self.rank and peer not in self.peers
+            expected = (not self._ready and peer_rank < self.rank
+                        and peer_rank not in self.peers)
         if not expected:
             log.warning("rank %d: rejected an authenticated but unexpected connection claiming "
-                        "rank %d", self.rank, peer)
+                        "rank %d", self.rank, peer_rank)
             sock.close()
             return
-        self._add(peer, sock, deadline)
+        self._add(peer_rank, sock, deadline)
 
-    def peer(self, rank: int) -> Peer:
-        return self.peers[rank]
+    def peer(self, peer_rank: int) -> Peer:
+        """The link to global rank `peer_rank`."""
+        return self.peers[peer_rank]
 
     def abort(self, origin: int, message: str) -> None:
         """Link to `origin` broke: tell every other peer the group is dead, then fail them."""

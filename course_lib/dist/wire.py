@@ -22,12 +22,24 @@ from course_lib.dist.errors import ProtocolError
 
 MAGIC = 0x54534443  # "CDST"
 MAX_DIMS = 8
-HEADER = struct.Struct("<IqBBHQ8q")  # magic, tag, dtype, ndim, reserved, nbytes, shape[8]
+HEADER = struct.Struct("<IqBBHQ8q")  # magic, tag, dtype, ndim, flags, nbytes, shape[8]
+FLAGS_AT = struct.calcsize("<IqBB")  # where the 16-bit flags field starts
+FLAG_SHM = 1  # the payload follows through shared memory (dist/shm.py), not the socket
 ABORT_TAG = -(2 ** 63)  # a frame that says "this group is dead", its payload the reason (utf-8)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+def with_flags(header: bytes, flags: int) -> bytes:
+    """The same header with its flags field set to `flags`."""
+    return header[:FLAGS_AT] + flags.to_bytes(2, "little") + header[FLAGS_AT + 2:]
+
+
+def flags_of(header: bytes | memoryview) -> int:
+    """The flags field of a header."""
+    return int.from_bytes(header[FLAGS_AT:FLAGS_AT + 2], "little")
 
 
 class PeerClosed(ConnectionError):
@@ -172,34 +184,34 @@ def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, rank: int, peer: int,
+def client_handshake(sock: socket.socket, secret: bytes, rank: int, peer_rank: int,
                      deadline: float) -> None:
     """Connecting side: send hello, check the listener's proof, send ours, wait for the ack."""
-    hello = HELLO.pack(HELLO_MAGIC, rank, peer, os.urandom(32))
+    hello = HELLO.pack(HELLO_MAGIC, rank, peer_rank, os.urandom(32))
     send_frame(sock, hello, memoryview(b""), deadline)
     reply = _read(sock, 64, deadline)
     nonce, proof = reply[:32], reply[32:]
     if not hmac.compare_digest(proof, _mac(secret, b"listener", hello, nonce)):
-        raise ProtocolError(f"rank {peer} did not prove it knows the cluster secret")
+        raise ProtocolError(f"rank {peer_rank} did not prove it knows the cluster secret")
     send_frame(sock, _mac(secret, b"connector", hello, nonce), memoryview(b""), deadline)
     if _read(sock, 1, deadline) != ACK:
-        raise ProtocolError(f"rank {peer} did not acknowledge the handshake")
+        raise ProtocolError(f"rank {peer_rank} did not acknowledge the handshake")
 
 
 def server_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int,
                      deadline: float) -> int:
     """Listening side: check the hello and the connector's proof; return the connector's rank."""
     hello = _read(sock, HELLO.size, deadline)
-    magic, peer, expected, _ = HELLO.unpack(hello)
+    magic, peer_rank, expected, _ = HELLO.unpack(hello)
     if magic != HELLO_MAGIC:
         raise ProtocolError(f"not a course_lib.dist hello (first bytes {hello[:8]!r})")
-    if expected != rank or not 0 <= peer < world_size or peer == rank:
-        raise ProtocolError(f"hello claims rank {peer} -> {expected}; this is rank {rank} "
+    if expected != rank or not 0 <= peer_rank < world_size or peer_rank == rank:
+        raise ProtocolError(f"hello claims rank {peer_rank} -> {expected}; this is rank {rank} "
                             f"of {world_size}")
     nonce = os.urandom(32)
     send_frame(sock, nonce + _mac(secret, b"listener", hello, nonce), memoryview(b""), deadline)
     proof = _read(sock, 32, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"connector", hello, nonce)):
-        raise ProtocolError(f"connection claiming rank {peer} failed the HMAC challenge")
+        raise ProtocolError(f"connection claiming rank {peer_rank} failed the HMAC challenge")
     send_frame(sock, ACK, memoryview(b""), deadline)
-    return peer
+    return peer_rank

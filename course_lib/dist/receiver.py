@@ -1,0 +1,221 @@
+"""The receiving half of a link: read frames and hand each to the receive it matches.
+
+Whichever thread waits for a receive reads the socket itself (no thread hop on the latency
+path), one reader at a time; the link's receiver thread only drives `irecv`s nobody waits on
+yet. A frame's payload goes straight into the posted receive's memory, from the socket or from
+the shared-memory region; a frame nobody asked for is kept by the `TagMatcher`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from course_lib.dist import shm
+from course_lib.dist.errors import DistError, ProtocolError
+from course_lib.dist.matching import DONE, FILLING, POSTED, RecvRequest, TagMatcher
+from course_lib.dist.wire import (ABORT_TAG, FLAG_SHM, HEADER, PeerClosed, WireTimeout,
+                                  byte_view, decode_header, flags_of, recv_exact)
+from course_lib.dist.work import What
+
+if TYPE_CHECKING:
+    from course_lib.dist.peer import Peer
+
+log = logging.getLogger("course_lib.dist")
+
+
+class Receiver:
+    """Reads one peer's frames; the lock guards the matcher, `reading` and the thread's queue."""
+
+    def __init__(self, peer: "Peer", sock, region: shm.Region | None):
+        self.peer, self.sock, self.region = peer, sock, region
+        self.cond = threading.Condition()  # the receive lock
+        self.matcher = TagMatcher()
+        self.reading = False  # one reader of the socket at a time
+        self._header = memoryview(bytearray(HEADER.size))
+        self._queue: deque[RecvRequest] = deque()  # irecvs for the receiver thread
+        self._thread: threading.Thread | None = None
+
+    # --- posting ------------------------------------------------------------------------
+
+    def post(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> RecvRequest:
+        """Register a receive; it completes at once if the message is already here."""
+        what = What(self.peer.rank, name, "recv from", self.peer.peer_rank)
+        req = RecvRequest(tensor, tag, what, deadline, self.progress)
+        with self.cond:
+            self.peer.check_alive(name, "recv from")
+            msg = self.matcher.post(req)
+            if msg is not None:
+                self._deliver(req, msg)
+        return req
+
+    def irecv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> RecvRequest:
+        """Post a receive that the receiver thread drives while the caller does other work."""
+        req = self.post(tensor, tag, name, deadline)
+        if not req.is_completed():
+            with self.cond:
+                self._queue.append(req)
+                self.cond.notify_all()
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, daemon=True,
+                        name=f"dist-receiver-{self.peer.rank}-{self.peer.peer_rank}")
+                    self._thread.start()
+        return req
+
+    def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> None:
+        """Blocking receive on the caller's thread."""
+        self.progress(self.post(tensor, tag, name, deadline), deadline)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._queue and self.peer.dead is None:
+                    self.cond.wait()
+                if self.peer.dead is not None:
+                    return
+                req = self._queue.popleft()
+            try:
+                self.progress(req, req.deadline)
+            except DistError:
+                pass  # the request holds the error for whoever waits on it
+
+    def _deliver(self, req: RecvRequest, msg: torch.Tensor) -> None:
+        """Complete `req` with a message that was kept before it was posted."""
+        error = self._mismatch(req, msg.dtype, tuple(msg.shape), req.tag)
+        if error is None:
+            req.buffer.copy_(msg)
+        req.complete(error)
+
+    def _mismatch(self, req: RecvRequest, dtype: torch.dtype, shape: tuple,
+                  tag: int) -> DistError | None:
+        if req.buffer.dtype == dtype and tuple(req.buffer.shape) == shape:
+            return None
+        peer = self.peer
+        return peer.error(req.what.name, "recv from", (
+            f"message mismatch (tag {tag}): rank {peer.peer_rank} sent {dtype} {list(shape)}, "
+            f"rank {peer.rank} expects {req.buffer.dtype} {list(req.buffer.shape)}"))
+
+    # --- reading ------------------------------------------------------------------------
+
+    def progress(self, req: RecvRequest, deadline: float) -> None:
+        """Read frames until `req` is complete (another thread may complete it for us)."""
+        while True:
+            with self.cond:
+                while self.reading and req.state != DONE:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and req.state == POSTED:
+                        self._expire(req)
+                        break
+                    self.cond.wait(remaining if remaining > 0 else 0.05)
+                if req.state == DONE:
+                    break
+                self.reading = True
+            try:
+                self._read_one(req, deadline)
+            finally:
+                with self.cond:
+                    self.reading = False
+                    self.cond.notify_all()
+        if req.exception() is not None:
+            raise req.exception()
+
+    def _expire(self, req: RecvRequest) -> None:
+        self.matcher.withdraw(req)
+        req.complete(self.peer.error(req.what.name, "recv from", "timed out after "
+                                     f"{time.monotonic() - req.started:.1f}s", timeout=True))
+
+    def _read_one(self, req: RecvRequest, deadline: float) -> None:
+        """Read one frame and hand it to its receive (or keep it); a broken stream is fatal."""
+        name, target = req.what.name, None
+        try:
+            try:
+                recv_exact(self.sock, self._header, deadline)
+            except WireTimeout as exc:
+                if exc.received:
+                    raise
+                with self.cond:
+                    if req.state == POSTED:
+                        self._expire(req)
+                return
+            tag, dtype, shape, nbytes = decode_header(self._header)
+            via_shm = bool(flags_of(self._header) & FLAG_SHM)
+            if via_shm and self.region is None:
+                raise ProtocolError("shared-memory frame on a link without shared memory")
+            # The sender has started this frame: allow it time to finish (a full timeout if
+            # the reader's own deadline is close; the same deadline saves re-arming it).
+            now = time.monotonic()
+            payload_deadline = deadline if deadline - now > 1.0 else now + self.peer.timeout
+            if tag == ABORT_TAG:
+                text = bytearray(nbytes)
+                recv_exact(self.sock, memoryview(text), payload_deadline)
+                return self.peer.fatal(name, "recv from", "group aborted: " +
+                                       text.decode("utf-8", "replace"))
+            with self.cond:
+                target = self.matcher.pop(tag)
+                if target is not None:
+                    target.state = FILLING
+            if target is None:
+                msg = torch.empty(shape, dtype=dtype)
+                self._read_payload(msg, nbytes, via_shm, payload_deadline)
+                with self.cond:
+                    late = self.matcher.pop(tag)
+                    if late is not None:
+                        self._deliver(late, msg)
+                    else:
+                        self.matcher.keep(tag, msg)
+                return
+            error = self._mismatch(target, dtype, shape, tag)
+            self._read_payload(target.buffer if error is None else None, nbytes, via_shm,
+                               payload_deadline)
+            with self.cond:
+                target.complete(error)
+        except WireTimeout:
+            self.peer.fatal(name, "recv from", "timed out in the middle of a message")
+        except PeerClosed as exc:
+            self.peer.fatal(name, "recv from", self.peer.dead or str(exc))
+        except ProtocolError as exc:
+            log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
+                        self.peer.rank, self.peer.peer_rank, exc)
+            self.peer.fatal(name, "recv from", f"malformed frame ({exc})")
+        except OSError as exc:
+            self.peer.fatal(name, "recv from",
+                            self.peer.dead or f"connection lost ({exc.strerror or exc})")
+        if target is not None and target.state != DONE:  # it was being filled when the link died
+            with self.cond:
+                target.complete(self.peer.error(target.what.name, "recv from",
+                                                self.peer.dead or "link lost"))
+
+    def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
+                      deadline: float) -> None:
+        """Read a frame's payload into `buffer` (contiguous), or drop it if None."""
+        if via_shm:
+            shm.receive(self.region, self.sock, buffer, nbytes, deadline)
+        elif buffer is None:
+            self._drain(nbytes, deadline)
+        else:
+            recv_exact(self.sock, byte_view(buffer), deadline)
+
+    def _drain(self, nbytes: int, deadline: float) -> None:
+        """Read and drop a payload nobody can take, so the stream stays in step."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            recv_exact(self.sock, scratch[:n], deadline)
+            nbytes -= n
+
+    def fail(self, reason: str) -> None:
+        """Fail every posted receive with `reason` and let the thread end."""
+        with self.cond:
+            for req in self.matcher.drain():
+                req.complete(self.peer.error(req.what.name, "recv from", reason))
+            self.cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,157 @@
+"""The sending half of a link: frames go out in call order, never blocking a small send.
+
+A small message is written at once on the caller's thread, as far as the socket buffer takes
+it (no thread hop on the latency path); the rest of it, and large messages, queue for the
+link's sender thread, so sending overlaps the caller's receives. A payload going to a rank on
+this machine through shared memory is said so explicitly (`via_shm`), never guessed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from course_lib.dist import shm
+from course_lib.dist.wire import (ABORT_TAG, WireTimeout, byte_view, encode_header,
+                                  send_frame, send_parts, try_send)
+from course_lib.dist.work import What, Work
+
+if TYPE_CHECKING:
+    from course_lib.dist.peer import Peer
+
+INLINE_MAX = shm.MIN_BYTES  # an isend up to this size tries the socket at once
+
+
+@dataclass
+class Outgoing:
+    """One frame on its way out: what is left of it, and whether its payload uses shm."""
+
+    work: Work
+    parts: list          # header and payload bytes still to write (both, until it starts)
+    tensor: torch.Tensor  # kept referenced until its bytes are out
+    via_shm: bool
+
+
+class Sender:
+    """Writes frames to one peer in order; the lock guards the queue and the `writing` flag."""
+
+    def __init__(self, peer: "Peer", sock, region: shm.Region | None):
+        self.peer, self.sock, self.region = peer, sock, region
+        self.cond = threading.Condition()  # the send lock
+        self.queue: deque[Outgoing] = deque()
+        self.writing = False  # one writer at a time: the caller's thread or the sender thread
+        self._thread: threading.Thread | None = None
+
+    def isend(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+              blocking: bool = False) -> Work:
+        """Send `tensor` after earlier sends to this peer; `blocking` writes it all here."""
+        tensor = tensor.detach().contiguous()
+        payload = byte_view(tensor)
+        via_shm = self.region is not None and len(payload) > shm.MIN_BYTES
+        work = Work(deadline, What(self.peer.rank, name, "send to", self.peer.peer_rank))
+        item = Outgoing(work, [encode_header(tag, tensor), payload], tensor, via_shm)
+        with self.cond:
+            self.peer.check_alive(name, "send to")
+            large = len(payload) > INLINE_MAX and not blocking
+            if self.queue or self.writing or large:
+                return self._enqueue(item)
+            self.writing = True
+        try:
+            self._write(item, wait=blocking)
+        finally:
+            with self.cond:
+                if item.parts:  # the socket buffer was full: the thread sends the rest first
+                    self._enqueue(item, first=True)
+                self.writing = False
+                self.cond.notify_all()
+        return work
+
+    def _enqueue(self, item: Outgoing, first: bool = False) -> Work:
+        """Queue for the sender thread (call with the send lock held)."""
+        self.queue.appendleft(item) if first else self.queue.append(item)
+        self.cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, daemon=True,
+                name=f"dist-sender-{self.peer.rank}-{self.peer.peer_rank}")
+            self._thread.start()
+        return item.work
+
+    def _write(self, item: Outgoing, wait: bool) -> None:
+        """Write `item` (with wait=False only what fits now, leaving the rest in item.parts)."""
+        work, name = item.work, item.work.what.name
+        try:
+            if item.via_shm:
+                shm.send(self.region, self.sock, item.parts[0], item.tensor, work.deadline)
+                item.parts = []
+            elif wait:
+                send_parts(self.sock, item.parts, work.deadline)
+                item.parts = []
+            else:
+                item.parts = try_send(self.sock, item.parts)
+        except WireTimeout:
+            # Part of a frame may be out: the stream is no longer in step, so the link is dead.
+            reason = (f"timed out after {time.monotonic() - work.started:.1f}s "
+                      "(the peer is not receiving)")
+            self.peer.fatal(name, "send to", reason)
+            item.parts = []
+            work.finish(self.peer.error(name, "send to", reason, timeout=True))
+            return
+        except OSError as exc:
+            reason = self.peer.dead or f"connection lost ({exc.strerror or exc})"
+            self.peer.fatal(name, "send to", reason)
+            item.parts = []
+            work.finish(self.peer.error(name, "send to", reason))
+            return
+        if not item.parts:
+            work.finish()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while (not self.queue or self.writing) and self.peer.dead is None:
+                    self.cond.wait()
+                if self.peer.dead is not None:
+                    return
+                item = self.queue.popleft()
+                self.writing = True
+            try:
+                self._write(item, wait=True)
+            finally:
+                with self.cond:
+                    self.writing = False
+                    self.cond.notify_all()
+
+    def send_abort(self, reason: str) -> None:
+        """Best effort: tell the peer the group is dead, unless a send is stuck mid-frame."""
+        payload = torch.tensor(list(reason.encode()[:4096]), dtype=torch.uint8)
+        with self.cond:
+            if self.peer.dead is not None or not self.cond.wait_for(
+                    lambda: not self.writing, timeout=0.5):
+                return
+            self.writing = True
+        try:
+            send_frame(self.sock, encode_header(ABORT_TAG, payload), byte_view(payload),
+                       time.monotonic() + 1.0)
+        except (OSError, WireTimeout):
+            pass
+        finally:
+            with self.cond:
+                self.writing = False
+
+    def fail(self, reason: str) -> None:
+        """Fail every queued send with `reason` and let the thread end."""
+        with self.cond:
+            for item in self.queue:
+                item.work.finish(self.peer.error(item.work.what.name, "send to", reason))
+            self.queue.clear()
+            self.cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
