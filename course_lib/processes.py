@@ -9,6 +9,7 @@ it was recorded with, so a recycled PID is left alone; nothing is killed by name
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Iterable, Iterator
 
@@ -52,6 +53,7 @@ class ProcessSet:
 
     def __init__(self) -> None:
         self.recorded: list[Recorded] = []
+        self._lock = threading.Lock()  # a watcher thread may add while the owner ends
 
     def __iter__(self) -> Iterator[Recorded]:
         return iter(list(self.recorded))
@@ -60,13 +62,14 @@ class ProcessSet:
         """Note `proc` (and its descendants while they still have it as parent)."""
         if proc is None:
             return
-        for entry in record(proc, descendants=descendants):
-            if entry not in self.recorded:
-                self.recorded.append(entry)
+        found = record(proc, descendants=descendants)
+        with self._lock:
+            self.recorded += [entry for entry in found if entry not in self.recorded]
 
     def end(self, grace: float = 3.0) -> list[int]:
         """End every noted process (see `end_processes`) and forget them; returns the killed."""
-        recorded, self.recorded = self.recorded, []
+        with self._lock:
+            recorded, self.recorded = self.recorded, []
         return end_processes(recorded, grace)
 
 

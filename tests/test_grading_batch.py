@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from course_lib.build import student_notebook
-from course_lib.grading import cli, grader
+from course_lib.grading import batch, cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "grading"
 SOLUTION = FIXTURES / "97_fixture.ipynb"
@@ -69,7 +69,7 @@ def graded(tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     kernels: list[int] = []
     seen_rows: list[int] = []
-    original = grader.KernelSession.start
+    original = batch.KernelSession.start
 
     def recording_start(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -80,8 +80,8 @@ def graded(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COURSE_LIB_EXERCISES", str(EXERCISES))
-        mp.setattr(grader.KernelSession, "start", recording_start)
-        rows = grader.grade_all([subs], out, notebook_timeout=NOTEBOOK_TIMEOUT, progress=progress)
+        mp.setattr(batch.KernelSession, "start", recording_start)
+        rows = batch.grade_all([subs], out, notebook_timeout=NOTEBOOK_TIMEOUT, progress=progress)
     by_student: dict = {}
     for row in rows:
         by_student.setdefault(row["student"], {})[row["exercise"]] = row

@@ -11,7 +11,7 @@ import pytest
 from conftest import leftover_processes
 from course_lib.cluster import start
 from course_lib.grading import get_exercise, grade_function
-from course_lib.grading.grader import grade_all
+from course_lib.grading.batch import grade_all
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from course_lib.grading import exercises_for, lessons
-from course_lib.grading.exercise import LOAD_ERRORS
+from course_lib.grading.catalogue import LOAD_ERRORS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FILES = ROOT / "course_lib" / "grading" / "exercises"

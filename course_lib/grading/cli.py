@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from course_lib.grading.grader import grade_all
+from course_lib.grading.batch import grade_all
 
 
 def _exit_on_term(signum, frame):  # noqa: ARG001 - unwinds through the kernel cleanup

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 import html
 from dataclasses import asdict, dataclass, field
 
 _WIDTH = 60  # longest cell in the plain-text table
+
+
+class Outcome(str, enum.Enum):
+    """What happened to one call of the learner's function (RETURNED: it gave a value) and so
+    to its row. A str, so results stay plain JSON."""
+
+    RETURNED = "returned"
+    PASSED = "passed"
+    WRONG = "wrong"
+    NOT_IMPLEMENTED = "not implemented"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    LOST = "lost"  # no result came back: another rank failed, the engine died...
+    NOT_RUN = "not run"
 
 
 @dataclass
@@ -17,6 +32,12 @@ class Row:
     expected: str
     got: str
     note: str = ""
+    outcome: Outcome | None = None  # None: PASSED or WRONG, from `passed`
+
+    def __post_init__(self) -> None:
+        if self.outcome is None:
+            self.outcome = Outcome.PASSED if self.passed else Outcome.WRONG
+        self.outcome = Outcome(self.outcome)
 
 
 @dataclass

@@ -6,8 +6,7 @@ import struct
 
 import torch
 
-from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
-from course_lib.grading.runner import CheckTimeout
+from course_lib.grading import RANK, WORLD_SIZE, CheckTimeout, Exercise, case, register
 
 # --- lesson01.encode_header / decode_header (local) ----------------------------------------
 

@@ -19,16 +19,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from course_lib.grading.compare import WRONG_VALUE, mismatch, show
-from course_lib.grading.exercise import Case, Exercise, get_exercise, substitute
-from course_lib.grading.report import CaseResult, Result, Row
+from course_lib.grading.catalogue import (Case, CheckTimeout, Exercise, get_exercise,
+                                         substitute)
+from course_lib.grading.report import CaseResult, Outcome, Result, Row
 
 GRADING_ENV = "COURSE_LIB_GRADING"  # set by course-grade: check cells then do nothing
 _NOT_LEARNER = tuple(str(Path(p).resolve()) for p in
                      {sys.prefix, sys.base_prefix, Path(__file__).resolve().parents[1]})
-
-
-class CheckTimeout(Exception):
-    """Raised inside a learner's call that ran past its time limit, to stop it."""
 
 
 def learner_frame(exc: BaseException) -> str:
@@ -46,14 +43,14 @@ def guarded_call(fn: Callable, harness: Callable | None, args: tuple, kwargs: di
     """Call `fn` (through `harness`) and describe what happened as a plain dict, never raising."""
     try:
         value = harness(fn, *args, **kwargs) if harness else fn(*args, **kwargs)
-        return {"status": "ok", "value": value}
+        return {"status": Outcome.RETURNED, "value": value}
     except NotImplementedError as exc:
-        return {"status": "notimpl", "where": learner_frame(exc)}
+        return {"status": Outcome.NOT_IMPLEMENTED, "where": learner_frame(exc)}
     except CheckTimeout:
-        return {"status": "timeout"}
+        return {"status": Outcome.TIMEOUT}
     except Exception as exc:  # noqa: BLE001 - the learner's error is the result here
         msg = str(exc).strip().splitlines()
-        return {"status": "error", "error": f"{type(exc).__name__}: {msg[0] if msg else ''}",
+        return {"status": Outcome.ERROR, "error": f"{type(exc).__name__}: {msg[0] if msg else ''}",
                 "where": learner_frame(exc)}
 
 
@@ -81,8 +78,8 @@ def call_with_limit(fn: Callable, harness: Callable | None, args: tuple, kwargs:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
                                                        ctypes.py_object(CheckTimeout))
             worker.join(1.0)
-    if not box or box["status"] == "timeout":
-        return {"status": "timeout", "stopped": not worker.is_alive()}
+    if not box or box["status"] == Outcome.TIMEOUT:
+        return {"status": Outcome.TIMEOUT, "stopped": not worker.is_alive()}
     return box
 
 
@@ -103,21 +100,21 @@ def signature_problem(ex: Exercise, fn: Callable) -> str | None:
 
 def _outcome_row(rank: Any, out: dict, expected: Any, ex: Exercise, limit: float) -> Row:
     want = show(expected)
-    status = out["status"]
-    if status == "ok":
+    status = Outcome(out["status"])
+    if status is Outcome.RETURNED:
         diff = mismatch(out["value"], expected, ex.rtol, ex.atol)
         return Row(rank, diff is None, want, show(out["value"]), diff or "")
-    if status == "notimpl":
-        return Row(rank, False, want, "NotImplementedError", "not implemented yet")
-    if status == "timeout":
+    if status is Outcome.NOT_IMPLEMENTED:
+        return Row(rank, False, want, "NotImplementedError", "not implemented yet", status)
+    if status is Outcome.TIMEOUT:
         note = f"timed out after {limit:g}s (endless loop or deadlock?)"
         if out.get("stopped") is False:
             note += "; it is still running in the background: restart the kernel if slow"
-        return Row(rank, False, want, "no result", note)
-    if status == "lost":
-        return Row(rank, False, want, "no result", out["note"])
+        return Row(rank, False, want, "no result", note, status)
+    if status is Outcome.LOST:
+        return Row(rank, False, want, "no result", out["note"], status)
     where = f" ({out['where']})" if out.get("where") else ""
-    return Row(rank, False, want, out["error"], f"raised {out['error']}{where}")
+    return Row(rank, False, want, out["error"], f"raised {out['error']}{where}", status)
 
 
 def _expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None = None) -> Any:
@@ -147,12 +144,13 @@ def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any,
     try:
         outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
     except RankTimeout as exc:
-        outs = [{"status": "timeout"} if r in exc.failures else
-                {"status": "lost", "note": "finished, but other ranks hung"}
+        outs = [{"status": Outcome.TIMEOUT} if r in exc.failures else
+                {"status": Outcome.LOST, "note": "finished, but other ranks hung"}
                 for r in range(world)]
         halt = getattr(exc, "note", "")
     except RankError as exc:  # the call never ran or its result could not come back
-        outs = [{"status": "lost", "note": exc.failures.get(r, "no result: another rank failed")}
+        outs = [{"status": Outcome.LOST,
+                 "note": exc.failures.get(r, "no result: another rank failed")}
                 for r in range(world)]
         # ipyparallel may report an engine that exited mid-task as a plain EngineError
         if isinstance(exc, EngineDied) or any("EngineError" in m for m in exc.failures.values()):
@@ -162,16 +160,16 @@ def _run_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any,
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. the function cannot be sent to the engines
         note = f"could not send it to the engines: {type(exc).__name__}: {exc}"
-        outs = [{"status": "lost", "note": note}] * world
+        outs = [{"status": Outcome.LOST, "note": note}] * world
     rows = [_outcome_row(r, out, expected[r], ex, limit) for r, out in enumerate(outs)]
     if ex.total is not None:
-        if all(out["status"] == "ok" for out in outs):
-            rows.append(_outcome_row("all", {"status": "ok",
+        if all(out["status"] == Outcome.RETURNED for out in outs):
+            rows.append(_outcome_row("all", {"status": Outcome.RETURNED,
                                              "value": ex.total([o["value"] for o in outs])},
                                      ex.total(expected), ex, limit))
         else:
             rows.append(Row("all", False, show(ex.total(expected)), "no result",
-                            "some ranks gave no value"))
+                            "some ranks gave no value", Outcome.LOST))
     return rows, halt
 
 
@@ -216,17 +214,17 @@ def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
     for c in ex.cases:
         label = c.describe(ex.function)
         if stopped:
-            cases.append(CaseResult(label, [Row(None, False, "", "", "not run")]))
+            cases.append(CaseResult(label, [Row(None, False, "", "", "not run", Outcome.NOT_RUN)]))
             continue
         rows, halt = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
                       else _run_local(ex, c, fn, limit))
         cases.append(CaseResult(label, rows))
-        notes = [r.note for r in rows if not r.passed]
-        if any(n == "not implemented yet" for n in notes):
+        outcomes = {r.outcome for r in rows}
+        if Outcome.NOT_IMPLEMENTED in outcomes:
             return zero(f"not implemented yet: {ex.function} raises NotImplementedError", cases)
-        if any(n.startswith("timed out") for n in notes):
+        if Outcome.TIMEOUT in outcomes:
             where = [str(r.rank) for r in rows
-                     if r.rank is not None and r.note.startswith("timed out")]
+                     if r.rank is not None and r.outcome is Outcome.TIMEOUT]
             ranks = f" on rank(s) {', '.join(where)}" if where else ""
             stopped = (f"timed out: {label} did not finish within {limit:g}s{ranks} "
                        f"(an endless loop or a deadlock?){'; ' + halt if halt else ''}")

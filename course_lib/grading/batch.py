@@ -2,7 +2,7 @@
 
 The submission's cells run first (its check cells do nothing: `COURSE_LIB_GRADING=1`), so the
 functions it defines live in the kernel; then the grader injects one cell per exercise calling
-`in_kernel.grade_to_file`. Nothing the notebook printed is trusted. Every wait is bounded; the
+`kernel.grade_to_file`. Nothing the notebook printed is trusted. Every wait is bounded; the
 kernel and everything it started are ended by PID, whatever happened.
 """
 
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
-import psutil
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import run_sync
 
-from course_lib.grading.exercise import EXTRA_ENV, Exercise, exercises_for, lessons
+from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
+from course_lib.grading.learner import GRADING_ENV
 from course_lib.grading.report import Result
-from course_lib.grading.runner import GRADING_ENV
+from course_lib.processes import ProcessSet
 
 FIELDS = ("student", "exercise", "points", "max_points", "reason", "notebook")
 PROBE_SECONDS = 15      # a kernel that cannot run `pass` in this long is killed
@@ -85,9 +85,8 @@ class KernelSession:
                                      interrupt_on_timeout=False, shutdown_kernel="graceful",
                                      resources={"metadata": {"path": str(cwd)}})
         self.pid: int | None = None
-        self.tree: list[psutil.Process] = []
+        self.tree = ProcessSet()  # the kernel and everything it starts
         self._closing = threading.Event()
-        self._lock = threading.Lock()
 
     def start(self, env: dict[str, str], sockets: Path) -> None:
         """Start the kernel with `env`, talking over Unix sockets in the folder `sockets`."""
@@ -102,7 +101,7 @@ class KernelSession:
 
     def _watch_tree(self) -> None:
         while not self._closing.wait(TREE_POLL_SECONDS):
-            self._remember_tree()
+            self.tree.add(self.pid)
 
     def run(self, cell: nbformat.NotebookNode, index: int, timeout: float) -> str:
         """Execute one cell: "ok" (errors included), "timeout" or "dead"."""
@@ -133,39 +132,22 @@ class KernelSession:
         self.client.start_new_kernel_client()
         return self.run_code("pass", PROBE_SECONDS)[0] == "ok"
 
-    def _remember_tree(self) -> None:
-        """Note the kernel's descendants (engines...) while they still have it as parent."""
-        try:
-            kernel = psutil.Process(self.pid)
-            found = [kernel] + kernel.children(recursive=True)
-        except (psutil.Error, TypeError):
-            return
-        with self._lock:
-            self.tree += [p for p in found if p not in self.tree]
-
     def close(self) -> list[int]:
         """Shut the kernel down (its atexit stops clusters), then kill whatever is left.
         Returns the PIDs that had to be killed."""
         if self.client.km is None:
             return []
-        self._remember_tree()
+        self.tree.add(self.pid)
         self._closing.set()
         try:
             self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
-        except Exception:  # noqa: BLE001 - the kill below is the backstop
+        except Exception:  # noqa: BLE001 - ending the tree below is the backstop
             pass
-        _, alive = psutil.wait_procs(self.tree, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        return [p.pid for p in alive]
+        return self.tree.end(grace=5.0)
 
 
 def _check_source(ex: Exercise, out: Path, time_limit: float | None) -> str:
-    return ("from course_lib.grading.in_kernel import grade_to_file as _course_grade\n"
+    return ("from course_lib.grading.kernel import grade_to_file as _course_grade\n"
             f"_course_grade({ex.name!r}, globals().get({ex.function!r}), {str(out)!r}, "
             f"time_limit={time_limit!r})")
 
@@ -237,7 +219,7 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
                 hung = f"the kernel hung in {ex.name} and was killed"
         graded.append((ex, 0.0, reason))
     if not hung and any(e.distributed for e in exercises):
-        session.run_code("from course_lib.grading.in_kernel import stop_clusters\n"
+        session.run_code("from course_lib.grading.kernel import stop_clusters\n"
                          "stop_clusters()", 60)
     return graded
 

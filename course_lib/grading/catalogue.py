@@ -1,4 +1,4 @@
-"""Declaring exercises: what the learner's function is called with and what it must return.
+"""The catalogue of exercises: what each learner's function is called with and must return.
 
 Each lesson registers its exercises in `course_lib/grading/exercises/lessonNN.py`; learners'
 check cells and the batch grader both look them up here, so a notebook cannot change them.
@@ -20,6 +20,11 @@ from course_lib.grading.compare import show
 
 _NAME = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*$")
 _NOTSET = object()
+
+
+class CheckTimeout(Exception):
+    """Raised inside a learner's call that ran past its time limit, to stop it (a harness
+    that catches exceptions must let it through)."""
 
 
 class _RankArg:

@@ -10,8 +10,8 @@ import json
 import os
 from typing import Any
 
-from course_lib.grading.exercise import get_exercise
-from course_lib.grading.runner import grade_function
+from course_lib.grading.catalogue import get_exercise
+from course_lib.grading.learner import grade_function
 
 _CLUSTERS: dict[tuple[int, str], Any] = {}  # the grader's own clusters, never the notebook's
 
