@@ -52,11 +52,13 @@ def _run_step(schedule, stage: PipelineStage, x, y, losses):
     return schedule.step()
 
 
-def _one_case(rank: int, world: int, schedule_cls, m: int, scale_grads: bool = True) -> dict:
+def _one_case(rank: int, world: int, schedule_cls, m: int, scale_grads: bool = True,
+              group=None) -> dict:
+    """Stage `rank` of `world` stages; on a sub-group, `rank`/`world` are the group's."""
     full = _model()
     ref = copy.deepcopy(full)
     to_ref = {id(p): q for p, q in zip(full.parameters(), ref.parameters())}
-    stage = PipelineStage(split_sequential(full, world)[rank], rank, world)
+    stage = PipelineStage(split_sequential(full, world)[rank], rank, world, group=group)
     params = list(stage.submodule.parameters())
     schedule = schedule_cls(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=scale_grads)
     opt = torch.optim.SGD(params, lr=0.1)
@@ -115,6 +117,34 @@ def test_pp_parity_and_stored_activations(world, backend):
     # and the bytes follow.
     first = per_rank[0]
     assert first[("1F1B", 8)]["peak_bytes"] * 8 == first[("GPipe", 8)]["peak_bytes"] * world
+
+
+SUBGROUP = [1, 3]  # not starting at 0, not contiguous: group ranks differ from global ranks
+
+
+def _on_subgroup(rank: int, world: int) -> dict | None:
+    from course_lib.backend import default_dist
+
+    dist = default_dist()
+    sub = dist.new_group(SUBGROUP)  # every rank creates it, as torch requires
+    if rank not in SUBGROUP:
+        return None
+    stage_rank = dist.get_rank(sub)
+    r = _one_case(stage_rank, len(SUBGROUP), Schedule1F1B, 4, group=sub)
+    return {"errs": r["errs"], "stage": stage_rank}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_on_a_sub_group(backend):
+    """A 2-stage 1F1B pipeline on global ranks 1 and 3 of 4 equals one process, on both
+    backends: neighbours are global ranks found with dist.get_global_rank."""
+    per_rank = spawn(_on_subgroup, 4, backend=backend, timeout=120)
+    assert per_rank[0] is None and per_rank[2] is None
+    for rank in SUBGROUP:
+        r = per_rank[rank]
+        assert r["stage"] == SUBGROUP.index(rank)
+        bad = {k: v for k, v in r["errs"].items() if not v <= 0}
+        assert not bad, f"stage on rank {rank}: beyond rtol={RTOL} atol={ATOL}: {bad}"
 
 
 class _ReversedBackward(ScheduleGPipe):

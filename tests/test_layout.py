@@ -1,0 +1,75 @@
+"""ParallelLayout: every rank's data, tensor and pipeline groups for each (dp, tp, pp) on 4
+ranks, on both backends, checked against groups written out by hand and by communicating in
+them; degrees that do not fit the world get an error naming them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from course_lib.layout import ParallelLayout, check_degrees
+from course_lib.spawn import spawn
+
+# rank = (pp_rank * dp + dp_rank) * tp + tp_rank: tp contiguous, dp within a pipeline stage.
+EXPECTED = {
+    (2, 2, 1): {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]]},
+    (1, 2, 2): {"tp": [[0, 1], [2, 3]], "dp": [[0], [1], [2], [3]], "pp": [[0, 2], [1, 3]]},
+    (2, 1, 2): {"tp": [[0], [1], [2], [3]], "dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]},
+    (4, 1, 1): {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]]},
+}
+
+
+def _layouts(rank: int, world: int) -> dict:
+    """For each layout: this rank's groups (ranks and size), its coordinates, and the sum of
+    global ranks over each of its groups, computed by an all_reduce inside that group."""
+    from course_lib.backend import default_dist
+
+    dist = default_dist()
+    out = {}
+    for dp, tp, pp in EXPECTED:
+        layout = ParallelLayout(dp=dp, tp=tp, pp=pp)
+        got = {"coords": dict(layout.coords)}
+        for axis in ("dp", "tp", "pp"):
+            group = layout.group(axis)
+            total = torch.tensor([float(rank)])
+            dist.all_reduce(total, group=group)
+            got[axis] = {"ranks": layout.ranks(axis), "all": layout.all_groups(axis),
+                         "size": dist.get_world_size(group), "sum": total.item()}
+        out[(dp, tp, pp)] = got
+    return out
+
+
+@pytest.mark.parametrize("backend", ["scratch", "gloo"])
+def test_every_rank_gets_its_groups(backend):
+    per_rank = spawn(_layouts, 4, backend=backend, timeout=120)
+    for rank, layouts in enumerate(per_rank):
+        for degrees, want in EXPECTED.items():
+            got = layouts[degrees]
+            dp, tp, pp = degrees
+            assert got["coords"] == {"pp": rank // (dp * tp), "dp": rank // tp % dp,
+                                     "tp": rank % tp}, (degrees, rank)
+            for axis, groups in want.items():
+                mine = next(g for g in groups if rank in g)
+                assert got[axis]["ranks"] == mine, (degrees, rank, axis)
+                assert got[axis]["all"] == groups, (degrees, axis)
+                assert got[axis]["size"] == len(mine), (degrees, rank, axis)
+                assert got[axis]["sum"] == sum(mine), (degrees, rank, axis)
+
+
+@pytest.mark.parametrize("degrees, message", [
+    ((2, 2, 2), r"dp=2 x tp=2 x pp=2 = 8, but the world has 4 ranks"),
+    ((3, 1, 1), r"dp=3 x tp=1 x pp=1 = 3, but the world has 4 ranks"),
+    ((0, 4, 1), r"positive ints, got dp=0 \(dp=0, tp=4, pp=1\)"),
+    ((2, -2, -1), r"positive ints, got pp=-1, tp=-2"),
+    ((2, 2, 1.0), r"positive ints, got pp=1.0"),
+])
+def test_bad_degrees_name_the_degrees(degrees, message):
+    dp, tp, pp = degrees
+    with pytest.raises(ValueError, match=message):
+        check_degrees(dp, tp, pp, 4)
+    world = SimpleNamespace(get_world_size=lambda group=None: 4, get_rank=lambda group=None: 0,
+                            new_group=lambda ranks: pytest.fail("no group before validation"))
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(dp=dp, tp=tp, pp=pp, dist=world)
