@@ -41,6 +41,31 @@ def leftover_processes() -> list[psutil.Process]:
     return found
 
 
+def full(name: str, fn, cluster=None) -> None:
+    """Assert that `fn` scores full points on exercise `name`."""
+    from course_lib.grading import grade_function
+
+    r = grade_function(name, fn, cluster)
+    assert r.points == r.max_points, r
+
+
+def less(name: str, fn, cluster=None) -> None:
+    """Assert that `fn`, a realistic wrong version, scores less than full points on `name`."""
+    from course_lib.grading import grade_function
+
+    r = grade_function(name, fn, cluster)
+    assert r.points < r.max_points, r
+
+
+@pytest.fixture(scope="session")
+def gloo_cluster_2():
+    """One 2-rank gloo cluster shared by the exercise tests of several lessons."""
+    from course_lib.cluster import start
+
+    with start(2, backend="gloo", timeout=60) as c:
+        yield c
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return

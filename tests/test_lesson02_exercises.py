@@ -111,7 +111,8 @@ def chain_broadcast(tensor, src):
 def tree_without_translation(tensor, src):
     """Virtual ranks computed but never translated back: only right when src == 0."""
     from course_lib import dist
-    p, v = dist.get_world_size(), (dist.get_rank() - src) % p
+    p = dist.get_world_size()
+    v = (dist.get_rank() - src) % p
     k = 1
     while k < p:
         if v < k and v + k < p:
