@@ -98,18 +98,6 @@ class ParallelLayout:
         """This rank's process group along `axis`, to pass as `group=` to a component."""
         return self.groups[axis]
 
-    @property
-    def dp_group(self) -> Any:
-        return self.groups["dp"]
-
-    @property
-    def tp_group(self) -> Any:
-        return self.groups["tp"]
-
-    @property
-    def pp_group(self) -> Any:
-        return self.groups["pp"]
-
     def __repr__(self) -> str:
         where = ", ".join(f"{axis}_rank={self.coords[axis]}" for axis in AXES)
         return f"ParallelLayout(dp={self.dp}, tp={self.tp}, pp={self.pp}; rank {self.rank}: {where})"

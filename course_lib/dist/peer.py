@@ -13,6 +13,7 @@ other). `Work`'s event lock is taken last, for an instant, under either.
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Callable
 
 import torch
@@ -52,6 +53,13 @@ class Peer:
 
     def send_abort(self, reason: str) -> None:
         self.sender.send_abort(reason)
+
+    def start_thread(self, role: str, target: Callable[[], None]) -> threading.Thread:
+        """Start this link's `role` ("sender" or "receiver") thread."""
+        thread = threading.Thread(target=target, daemon=True,
+                                  name=f"dist-{role}-{self.rank}-{self.peer_rank}")
+        thread.start()
+        return thread
 
     # --- errors and death ---------------------------------------------------------------
 

@@ -62,10 +62,7 @@ class Receiver:
                 self._queue.append(req)
                 self.cond.notify_all()
                 if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, daemon=True,
-                        name=f"dist-receiver-{self.peer.rank}-{self.peer.peer_rank}")
-                    self._thread.start()
+                    self._thread = self.peer.start_thread("receiver", self._loop)
         return req
 
     def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> None:

@@ -76,10 +76,7 @@ class Sender:
         self.queue.appendleft(item) if first else self.queue.append(item)
         self.cond.notify_all()
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._loop, daemon=True,
-                name=f"dist-sender-{self.peer.rank}-{self.peer.peer_rank}")
-            self._thread.start()
+            self._thread = self.peer.start_thread("sender", self._loop)
         return item.work
 
     def _write(self, item: Outgoing, wait: bool) -> None:
