@@ -23,6 +23,15 @@ def test_parse_size():
             allreduce.parse_size(bad)
 
 
+@pytest.mark.parametrize("sizes", ["4K", "4KiB,3B", "lots"])
+def test_a_bad_size_is_a_usage_error_not_a_traceback(sizes, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["allreduce", "--sizes", sizes])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --sizes: " in err and "Traceback" not in err, err
+
+
 def test_benchmark_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "ar.json", tmp_path / "ar.png"
     backends = "scratch,gloo" + (",mpi" if allreduce._mpi_available() is None else "")

@@ -43,11 +43,17 @@ def parse_size(text: str) -> int:
     return n
 
 
+def parse_sizes(text: str) -> list[int]:
+    """'4KiB,1MiB' -> [4096, 1048576]; argparse turns a bad size into a one-line usage error."""
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--backends", default="scratch,gloo,mpi",
                         help="comma list of scratch, gloo, mpi")
-    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="comma list of byte sizes")
+    parser.add_argument("--sizes", type=parse_sizes, default="4KiB,1MiB,16MiB",
+                        help="comma list of byte sizes (4KiB, 1MiB, 16MiB; KB/MB: powers of 10)")
     parser.add_argument("--algorithms", default="ring",
                         help="scratch algorithms, comma list of ring, tree, naive, auto")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     unknown = set(backends) - {"scratch", "gloo", "mpi"}
     if unknown:
         raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if "mpi" in backends and (why := _mpi_available()):
         print(f"note: skipping mpi: {why}", file=sys.stderr)
