@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.backend import default_dist
+from course_lib.backend import default_dist, global_rank
 
 __all__ = ["divide", "shard", "CopyToParallel", "copy_to_parallel", "ReduceFromParallel",
     "reduce_from_parallel", "GatherFromParallel", "gather_from_parallel", "ColumnParallelLinear",
@@ -110,19 +110,66 @@ def gather_from_parallel(x: torch.Tensor, dist: Any = None, group: Any = None) -
 
 # %% solutions/06_tensor_parallel.ipynb, cell 16
 class _ParallelLinear(nn.Module):
-    """Shared set-up: the group, its size and rank, and nn.Linear's default initialization."""
+    """Shared set-up: the group, its size and rank, and this rank's slice of one full
+    nn.Linear initialization (rows for column-parallel, `dim=0`; columns for row-parallel,
+    `dim=1`, whose bias every rank holds whole).
+
+    Every rank draws the whole layer's random numbers, in nn.Linear's order, and keeps its
+    slice (Megatron-LM's CPU initialization does the same): built with the same seed on every
+    rank, the shards are the slices of `nn.Linear(in_features, out_features)` built with that
+    seed on one process. Drawing only the local shard would give every rank the same numbers.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dist: Any, group: Any,
-                 local_shape: tuple[int, int], bias_size: int):
+                 dim: int, parts: int = 1):
         super().__init__()
         self.dist, self.group = default_dist(dist), group
         self.rank = self.dist.get_rank(group)
         self.world_size = self.dist.get_world_size(group)
         self.in_features, self.out_features = in_features, out_features
-        # Same distribution as nn.Linear's default: uniform(+-1/sqrt(in_features)).
-        bound = 1 / math.sqrt(in_features)
-        self.weight = nn.Parameter(torch.empty(local_shape).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(bias_size).uniform_(-bound, bound)) if bias else None
+        self.dim, self.parts = dim, parts
+        weight, b = self._initial_slice(bias)
+        self.weight = nn.Parameter(weight)
+        self.bias = None if b is None else nn.Parameter(b)
+
+    def _initial_slice(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's slice of nn.Linear's default initialization, drawn block of rows by
+        block in nn.Linear's order (weight, then bias), so that no more than one block is
+        held beside the slice."""
+        bound = 1 / math.sqrt(self.in_features)  # nn.Linear's, for weight and bias alike
+        p, rows = self.world_size, self.out_features
+        step = rows // (p * self.parts) if self.dim == 0 else math.ceil(rows / p)
+        kept = []
+        for j, start in enumerate(range(0, rows, step)):
+            block = torch.empty(min(step, rows - start), self.in_features).uniform_(-bound, bound)
+            if self.dim == 1:
+                kept.append(shard(block, 1, self.rank, p))
+            elif j % p == self.rank:  # block j is shard j % p of packed part j // p
+                kept.append(block)
+        b = torch.empty(rows).uniform_(-bound, bound) if bias else None
+        if b is not None and self.dim == 0:
+            b = shard(b, 0, self.rank, p, self.parts)
+        return torch.cat(kept), b
+
+    def load_full(self, full: nn.Linear) -> None:
+        """Take this rank's slice of the unsplit layer `full` (its dtype too)."""
+        with torch.no_grad():
+            w = shard(full.weight, self.dim, self.rank, self.world_size, self.parts)
+            self.weight = nn.Parameter(w.clone())
+            b = full.bias
+            if b is not None and self.dim == 0:
+                b = shard(b, 0, self.rank, self.world_size, self.parts)
+            self.bias = None if b is None else nn.Parameter(b.clone())
+
+    @classmethod
+    def _sliced(cls, linear: nn.Linear, **kwargs: Any) -> "_ParallelLinear":
+        """A layer holding this rank's slice of `linear`; its own throwaway initialization
+        leaves the caller's random state as it was."""
+        with torch.random.fork_rng(devices=[]):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        **kwargs)
+        layer.load_full(linear)
+        return layer
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -137,10 +184,11 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 gather_output: bool = False, dist: Any = None, group: Any = None):
+                 gather_output: bool = False, dist: Any = None, group: Any = None,
+                 parts: int = 1):
         d = default_dist(dist)
-        local = divide(out_features, d.get_world_size(group), "out_features")
-        super().__init__(in_features, out_features, bias, d, group, (local, in_features), local)
+        divide(out_features, d.get_world_size(group) * parts, "out_features")
+        super().__init__(in_features, out_features, bias, d, group, dim=0, parts=parts)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,14 +200,8 @@ class ColumnParallelLinear(_ParallelLinear):
                     group: Any = None, parts: int = 1) -> "ColumnParallelLinear":
         """This rank's shard of a full `linear` (rows of its weight and bias), for parity tests;
         `parts` > 1 shards each of that many packed blocks (e.g. 3 for q, k, v)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    gather_output=gather_output, dist=dist,
-                    group=group).to(linear.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(shard(linear.weight, 0, layer.rank, layer.world_size, parts))
-            if linear.bias is not None:
-                layer.bias.copy_(shard(linear.bias, 0, layer.rank, layer.world_size, parts))
-        return layer
+        return cls._sliced(linear, gather_output=gather_output, dist=dist, group=group,
+                           parts=parts)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -174,11 +216,11 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, dist: Any = None, group: Any = None):
         d = default_dist(dist)
-        local = divide(in_features, d.get_world_size(group), "in_features")
-        super().__init__(in_features, out_features, bias, d, group, (out_features, local),
-                         out_features)
-        if self.bias is not None:  # every rank adds the whole bias: start it equal everywhere
-            nn.init.zeros_(self.bias)
+        divide(in_features, d.get_world_size(group), "in_features")
+        super().__init__(in_features, out_features, bias, d, group, dim=1)
+        if self.bias is not None and self.world_size > 1:
+            # Every rank adds this one bias: ranks seeded differently must still agree on it.
+            self.dist.broadcast(self.bias.data, global_rank(self.dist, group, 0), group=group)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,14 +234,7 @@ class RowParallelLinear(_ParallelLinear):
     def from_linear(cls, linear: nn.Linear, *, input_is_parallel: bool = True, dist: Any = None,
                     group: Any = None) -> "RowParallelLinear":
         """This rank's shard of a full `linear` (columns of its weight; the whole bias)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel=input_is_parallel, dist=dist,
-                    group=group).to(linear.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(shard(linear.weight, 1, layer.rank, layer.world_size))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        return cls._sliced(linear, input_is_parallel=input_is_parallel, dist=dist, group=group)
 
 
 # %% solutions/06_tensor_parallel.ipynb, cell 20
@@ -253,7 +288,8 @@ class TensorParallelAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.embed_dim, self.num_heads, self.causal = embed_dim, num_heads, causal
         # One packed projection; local rows are [q_local; k_local; v_local].
-        self.qkv = ColumnParallelLinear(embed_dim, 3 * embed_dim, bias, dist=d, group=group)
+        self.qkv = ColumnParallelLinear(embed_dim, 3 * embed_dim, bias, dist=d, group=group,
+                                        parts=3)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias, dist=d, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,20 @@ def _layer_checks(rank: int, world: int) -> dict[str, float]:
     mlp = TensorParallelMLP(8, 16).double()
     y = mlp(torch.ones(2, 8, dtype=torch.float64)).detach()
     errs["default_init.same_output_on_all_ranks"] = max(_max_err(o, y) for o in _gather(y, world))
+    # With the same seed on every rank (the usual set-up), the shards are the slices of the
+    # unsplit nn.Linear layers that one process builds with that seed, so they differ by rank.
+    torch.manual_seed(7)
+    mlp = TensorParallelMLP(8, 16)
+    torch.manual_seed(7)
+    fc1, fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    errs.update({"same_seed.fc1.w": _max_err(mlp.fc1.weight, shard(fc1.weight, 0, rank, world)),
+                 "same_seed.fc1.b": _max_err(mlp.fc1.bias, shard(fc1.bias, 0, rank, world)),
+                 "same_seed.fc2.w": _max_err(mlp.fc2.weight, shard(fc2.weight, 1, rank, world)),
+                 "same_seed.fc2.b": _max_err(mlp.fc2.bias, fc2.bias)})
+    shards = _gather(mlp.fc1.weight, world)
+    distinct = all(not torch.equal(shards[i], shards[j])
+                   for i in range(world) for j in range(i + 1, world))
+    errs["same_seed.shards_differ"] = -1.0 if distinct else 1.0
     return errs
 
 

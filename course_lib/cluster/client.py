@@ -58,6 +58,26 @@ def _launched(ipp_cluster: Any) -> list:
             for sub in getattr(launcher, "launchers", {}).values() or [launcher]]
 
 
+def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict) -> Any:
+    """An ipyparallel Cluster of `n` engines (not started): quiet, loopback for local engines,
+    stopped at exit; `ipp_kwargs` override."""
+    import ipyparallel as ipp
+
+    if engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    kwargs = dict(n=n, engines=engines, log_level=logging.ERROR,
+                  cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True)
+    if engines == "local":
+        kwargs["controller_ip"] = "127.0.0.1"
+    return ipp.Cluster(**{**kwargs, **ipp_kwargs})
+
+
+def _watchdog(recorded: list) -> dict:
+    """What each local engine's watchdog needs: this client process, and what to end."""
+    me = psutil.Process()
+    return dict(client_pid=me.pid, client_created=me.create_time(), pids=recorded)
+
+
 def _describe(exc: BaseException) -> str:
     """'Name: message' of an exception, or of ipyparallel's RemoteError standing for one."""
     ename = getattr(exc, "ename", type(exc).__name__)
@@ -116,19 +136,10 @@ class Cluster:
     # -- life cycle ---------------------------------------------------------------------
 
     def _start(self) -> None:
-        import ipyparallel as ipp
-
-        if self.engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
-            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-        kwargs = dict(n=self.world_size, engines=self.engines, log_level=logging.ERROR,
-                      cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True)
-        if self.engines == "local":
-            kwargs["controller_ip"] = "127.0.0.1"
-        kwargs.update(self._ipp_kwargs)
         self._stopped = False
         _LIVE.add(self)
         try:
-            self._ipp = ipp.Cluster(**kwargs)
+            self._ipp = _ipp_cluster(self.world_size, self.engines, self._ipp_kwargs)
             self._ipp.start_cluster_sync()
             for proc in _launched(self._ipp):
                 self._procs.add(proc)
@@ -155,9 +166,7 @@ class Cluster:
         for info in self._info:
             if info["host"] == local:
                 self._procs.add(info["pid"])
-        me = psutil.Process()
-        watch = dict(client_pid=me.pid, client_created=me.create_time(),
-                     pids=self._procs.recorded)
+        watch = _watchdog(self._procs.recorded)
         self._view = self._client.direct_view(self._ids)
         self._view.block = True  # `%%px` waits for its cell and shows the output
         self._view.use_cloudpickle()
