@@ -29,6 +29,9 @@ def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args
         to_parent.put(("ready", rank, None))
         result = fn(rank, world_size, *args, **kwargs)
         to_parent.put(("ok", rank, result))
+        # Tear down only when every rank is done: a rank that leaves early takes its end of
+        # the process group with it (gloo's store lives in rank 0) while others still use it.
+        from_parent.get(timeout=timeout)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         to_parent.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -92,6 +95,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             else:
                 failures[rank] = payload
     finally:
+        for inbox in inboxes:
+            inbox.put("done")
         _end_processes(procs)
     if failures:
         raise SpawnError(f"spawn({fn.__name__}, world_size={world_size}, backend={backend!r})",
