@@ -42,7 +42,7 @@ def accumulation_harness(fn, rank: int, world_size: int, k: int, b: int, steps: 
     import torch
     from torch import nn
 
-    from course_lib.data import default_dist
+    from course_lib.backend import default_dist
     from course_lib.ddp import DistributedDataParallel
 
     counting = CountingDist(default_dist())
