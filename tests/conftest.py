@@ -41,20 +41,23 @@ def leftover_processes() -> list[psutil.Process]:
     return found
 
 
-def full(name: str, fn, cluster=None) -> None:
-    """Assert that `fn` scores full points on exercise `name`."""
+def full(name: str, fn, cluster=None, **kwargs):
+    """Assert that `fn` scores full points on exercise `name`; returns the Result."""
     from course_lib.grading import grade_function
 
-    r = grade_function(name, fn, cluster)
+    r = grade_function(name, fn, cluster, **kwargs)
     assert r.points == r.max_points, r
+    return r
 
 
-def less(name: str, fn, cluster=None) -> None:
-    """Assert that `fn`, a realistic wrong version, scores less than full points on `name`."""
+def less(name: str, fn, cluster=None, **kwargs):
+    """Assert that `fn`, a realistic wrong version, scores less than full points on `name`;
+    returns the Result (its reason says what is wrong)."""
     from course_lib.grading import grade_function
 
-    r = grade_function(name, fn, cluster)
+    r = grade_function(name, fn, cluster, **kwargs)
     assert r.points < r.max_points, r
+    return r
 
 
 @pytest.fixture(scope="session")

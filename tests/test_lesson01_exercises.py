@@ -10,6 +10,7 @@ import nbformat
 import pytest
 import torch
 
+from conftest import full, less
 from course_lib import dist
 from course_lib.dist import wire
 from course_lib.grading import grade_function
@@ -28,17 +29,6 @@ def solution(name: str, notebook: Path = NOTEBOOK):
             exec(compile(cell.source, f"{notebook.name}:{name}", "exec"), namespace)
             return namespace[name]
     raise LookupError(f"{notebook.name} defines no function {name}")
-
-
-def full(name, fn, cluster=None):
-    r = grade_function(name, fn, cluster)
-    assert r.points == r.max_points, r
-
-
-def less(name, fn, cluster=None, **kwargs):
-    r = grade_function(name, fn, cluster, **kwargs)
-    assert r.points < r.max_points, r
-    return r
 
 
 # lesson01.encode_header -------------------------------------------------------------------

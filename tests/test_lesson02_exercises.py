@@ -9,8 +9,8 @@ import cloudpickle
 import pytest
 import torch
 
-from course_lib.grading import grade_function
-from test_lesson01_exercises import full, less, solution  # tests/ is on sys.path
+from conftest import full, less
+from test_lesson01_exercises import solution  # tests/ is on sys.path
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "02_collectives.ipynb"
