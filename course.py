@@ -11,6 +11,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -53,7 +54,8 @@ def ensure_env() -> None:
 def main(argv: list[str]) -> int:
     commands = {
         "lab": "install, then open the course in JupyterLab",
-        "test": "install, then run the whole test suite (extra args go to pytest)",
+        "test": "install, then run the whole test suite (extra args go to pytest; --quick: "
+                "the tests that start no engines, kernels or servers, and no notebooks)",
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",
         "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
     }
@@ -69,7 +71,16 @@ def main(argv: list[str]) -> int:
         root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
         return run(BIN / "jupyter", "lab", "--ServerApp.root_dir=notebooks", *root, *rest)
     if command == "test":
-        return run(PY, "-m", "pytest", "tests", "solutions", "--nbval", *rest, env=env)
+        start = time.monotonic()
+        if "--quick" in rest:
+            rest.remove("--quick")
+            what = ("tests", "-m", "not cluster and not slow")
+        else:
+            what = ("tests", "solutions", "--nbval")
+        code = run(PY, "-m", "pytest", *what, *rest, env=env)
+        minutes, seconds = divmod(round(time.monotonic() - start), 60)
+        print(f"course.py test: {minutes} min {seconds} s (budget on 2 cores: 15 min)", flush=True)
+        return code
     if command == "build":
         return run(PY, "-m", "course_lib.build", *rest)
     return run(PY, "-m", "course_lib.bench", *rest, env=env)

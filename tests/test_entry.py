@@ -10,8 +10,11 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 from course_lib.backend import free_port
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,8 @@ import pytest
 from course_lib.build import student_notebook
 from course_lib.grading import batch, cli
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parent / "fixtures" / "grading"
 SOLUTION = FIXTURES / "97_fixture.ipynb"
 EXERCISES = FIXTURES / "exercises_97.py"
