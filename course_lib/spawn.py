@@ -18,6 +18,7 @@ from course_lib import backend as backends
 from course_lib.processes import RankError, end_processes, record
 
 STARTUP_TIMEOUT = 60.0
+GRACE = 5.0  # past the group's timeout, so a rank's own timeout error (naming its peer) comes first
 SpawnError = RankError  # the name tests and scripts know; one error type for failed ranks
 
 
@@ -31,7 +32,8 @@ def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args
         to_parent.put(("ok", rank, result))
         # Tear down only when every rank is done: a rank that leaves early takes its end of
         # the process group with it (gloo's store lives in rank 0) while others still use it.
-        from_parent.get(timeout=timeout)
+        # The parent always says so, by its own deadline; this bound only outlives a dead parent.
+        from_parent.get(timeout=STARTUP_TIMEOUT + timeout + 2 * GRACE)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         to_parent.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -82,7 +84,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             if kind == "ready":
                 ready += 1
                 if ready == world_size:
-                    deadline = time.monotonic() + timeout
+                    deadline = time.monotonic() + timeout + GRACE
             elif kind == "addr":
                 addresses[rank] = payload
                 if len(addresses) == world_size:

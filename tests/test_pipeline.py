@@ -169,7 +169,8 @@ def _mismatched_order(rank: int, world: int) -> str:
 
 
 def test_microbatch_order_mismatch_is_an_error_naming_stage_and_peer():
-    msgs = spawn(_mismatched_order, 2, backend="gloo", timeout=30)
+    # Stage 1 then waits for a message stage 0 will never send: a short group timeout ends it.
+    msgs = spawn(_mismatched_order, 2, backend="gloo", timeout=8)
     assert "pipeline stage 0: expected gradient of micro-batch 0 from rank 1 but got " \
            "micro-batch 3" in msgs[0]
 

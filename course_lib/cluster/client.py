@@ -211,9 +211,10 @@ class Cluster:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing sockets only
                 pass
-        # By PID first (ipyparallel's own stop waits 5 s per process); engines hold nothing that
-        # needs a graceful exit, so half a second after TERM the rest are killed.
-        self._procs.end(grace=0.5)
+        # By PID first (ipyparallel's own stop waits 5 s per process). Local engines hold nothing
+        # that needs a graceful exit, so half a second after TERM the rest are killed; MPI
+        # engines get longer, to remove their shared-memory segments from /dev/shm.
+        self._procs.end(grace=3.0 if self.engines == "mpi" else 0.5)
         if self._ipp is not None:
             try:
                 self._ipp.stop_cluster_sync()  # tidies its launchers and cluster file
