@@ -88,7 +88,6 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
     """Step 3, on each rank: initialize `backend` in this process (one intra-op thread)."""
     import torch
 
-    check_backend(backend, engines="mpi" if backend == "mpi" else None)
     torch.set_num_threads(1)
     shutdown(backend)
     if backend == "gloo":
@@ -107,6 +106,8 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
 
         if MPI.COMM_WORLD.Get_rank() != rank:
             raise RuntimeError(f"MPI rank {MPI.COMM_WORLD.Get_rank()} and rank {rank} disagree")
+    elif backend != "none":
+        check_backend(backend)  # raises: unknown backend
 
 
 def shutdown(backend: str) -> None:
