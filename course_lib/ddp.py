@@ -22,7 +22,8 @@ MiB = 1024 * 1024
 
 __all__ = ["MiB", "grads_of", "flatten_into", "unflatten_to_grads", "broadcast_coalesced",
     "allreduce_grads_per_param", "allreduce_grads_flat", "make_buckets", "allreduce_grads_bucketed",
-    "buckets_to_launch", "is_view_of", "stage_grad", "DistributedDataParallel"]
+    "buckets_to_launch", "is_view_of", "stage_grad", "check_same_tensors",
+    "DistributedDataParallel"]
 
 
 # %% solutions/04_data_parallel.ipynb, cell 9
@@ -154,6 +155,32 @@ def stage_grad(grad: torch.Tensor | None, view: torch.Tensor, world_size: int) -
         torch.div(grad, world_size, out=view)
 
 
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def check_same_tensors(tensors: Sequence[torch.Tensor], what: str, *, dist: Any, group: Any = None,
+                       extra: Sequence[int] = ()) -> None:
+    """Fail on every rank, naming the ranks, if the group's ranks hold tensors of different
+    counts, shapes or dtypes (or different `extra` numbers): they would hang or mix data later."""
+    shapes = [tuple(t.shape) for t in tensors]
+    codes = [_DTYPES.index(t.dtype) + 1 if t.dtype in _DTYPES else 99 for t in tensors]
+    sig = torch.tensor([len(shapes), sum(t.numel() for t in tensors),
+                        sum((i + 1) * t.numel() for i, t in enumerate(tensors)),
+                        sum((i + 1) * len(s) + sum(s) for i, s in enumerate(shapes)),
+                        sum((i + 1) * c for i, c in enumerate(codes)), *extra],
+                       dtype=torch.float64)
+    world = dist.get_world_size(group)
+    sigs = [torch.empty_like(sig) for _ in range(world)]
+    dist.all_gather(sigs, sig, group=group)
+    differ = [r for r in range(1, world) if not torch.equal(sigs[r], sigs[0])]
+    if differ:
+        ranks = ", ".join(str(r) for r in differ)
+        raise RuntimeError(f"{what}: rank(s) {ranks} of the group hold parameters whose count, "
+                           f"shapes or dtypes differ from rank 0's (seen on rank "
+                           f"{dist.get_rank(group)}); every rank must wrap the same model")
+
+
 class _Bucket:
     """Parameters whose gradients travel together in one flat buffer and one all_reduce."""
 
@@ -210,7 +237,9 @@ class DistributedDataParallel(nn.Module):
                                               first_bucket_cap_mb)]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
-        self._check_same_layout()
+        check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
+                           group=group, extra=(len(self.buckets), sum(
+                               (i + 1) * b.numel for i, b in enumerate(self.buckets))))
         broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffers_to_sync,
                             self.src, dist=self.dist, group=group)
         self._expect_hooks = False
@@ -219,23 +248,6 @@ class DistributedDataParallel(nn.Module):
         self.timeline: list[tuple[str, float, float]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for _, p in named]
-
-    def _check_same_layout(self) -> None:
-        """Fail on every rank, not hang, if ranks would reduce different buckets."""
-        sizes = [p.numel() for b in self.buckets for p in b.params]
-        sig = torch.tensor([len(self.buckets), len(sizes), sum(sizes),
-                            sum((i + 1) * n for i, n in enumerate(sizes)),
-                            sum((i + 1) * b.numel for i, b in enumerate(self.buckets))],
-                           dtype=torch.float64)
-        theirs = sig.clone()
-        self.dist.broadcast(theirs, self.src, group=self.group)
-        bad = torch.tensor([0.0 if torch.equal(sig, theirs) else 1.0], dtype=torch.float64)
-        self.dist.all_reduce(bad, group=self.group)
-        if bad.item() > 0:
-            raise RuntimeError(
-                f"DistributedDataParallel: rank {self.dist.get_rank()} found {int(bad.item())} "
-                "rank(s) whose parameters (count, shapes or bucket layout) differ from the "
-                "first rank's; every rank must wrap the same model with the same bucket_cap_mb")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_backward:

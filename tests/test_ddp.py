@@ -232,7 +232,9 @@ def check_parity(results: list[dict], world: int, with_torch: bool, extras: bool
             torch.testing.assert_close(as_tensor(ours_state), as_tensor(torch_state), **TOL)
             assert ours_none and torch_none  # unused everywhere: .grad stays None
         assert "got no gradient" in res["unused_error"] and "unused.weight" in res["unused_error"]
-        assert f"rank {rank} found 1 rank(s)" in res["layout_error"]
+        # Every rank names the one rank whose model differs (the last), not just "some".
+        assert f"rank(s) {len(results) - 1} of the group hold parameters" in res["layout_error"]
+        assert f"(seen on rank {rank})" in res["layout_error"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -263,6 +265,9 @@ class RecordingDist:
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         return None
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        tensor_list[0].copy_(tensor)
 
     def all_reduce(self, tensor, op=None, group=None, async_op=False):
         self.calls.append(tensor.numel())

@@ -9,6 +9,7 @@ tensor's raw bytes, sent from and received into the tensor's own memory. Nothing
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import os
 import socket
@@ -96,11 +97,15 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtyp
 
 # %% solutions/01_point_to_point.ipynb, cell 19
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The contiguous tensor's memory as writable bytes (no copy)."""
+    """The contiguous tensor's memory as writable bytes (no copy). Not through `.numpy()`,
+    which would pin the storage's size for good (FSDP frees and regrows gathered storage)."""
     assert tensor.is_contiguous(), "byte_view needs a contiguous tensor"
-    if tensor.numel() == 0:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return memoryview(bytearray(0))
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    raw.owner = tensor  # the view keeps `raw` alive, and `raw` the tensor's memory
+    return memoryview(raw).cast("B")
 
 
 _armed: "weakref.WeakKeyDictionary[socket.socket, dict[int, float]]" = weakref.WeakKeyDictionary()
