@@ -23,39 +23,26 @@ def _batch(step: int, size: int):
             torch.randn(size, OUT, generator=g, dtype=torch.float64))
 
 
-class CountingDist:
-    """Forwards to a `dist` module, counting all_reduce calls (also used by the tests)."""
-
-    def __init__(self, dist):
-        self.dist, self.calls = dist, 0
-
-    def __getattr__(self, name):
-        return getattr(self.dist, name)
-
-    def all_reduce(self, *args, **kwargs):
-        self.calls += 1
-        return self.dist.all_reduce(*args, **kwargs)
-
-
 def accumulation_harness(fn, rank: int, world_size: int, k: int, b: int, steps: int) -> dict:
     """Train a DDP model for `steps` calls of `fn`; return its weights and all_reduce count."""
     import torch
     from torch import nn
 
     from course_lib.backend import default_dist
+    from course_lib.counting import CountingDist
     from course_lib.ddp import DistributedDataParallel
 
     counting = CountingDist(default_dist())
     model = DistributedDataParallel(_model(), dist=counting)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    counting.calls = 0
+    counting.reset()
     for step in range(steps):
         x, y = _batch(step, world_size * k * b)
         x, y = x[rank::world_size], y[rank::world_size]
         fn(model, opt, nn.functional.mse_loss,
            [(x[m * b:(m + 1) * b], y[m * b:(m + 1) * b]) for m in range(k)])
     return {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "all_reduce calls": counting.calls}
+            "all_reduce calls": counting.calls["all_reduce"]}
 
 
 def _one_big_batch(rank: int, world_size: int, k: int, b: int, steps: int) -> dict:
