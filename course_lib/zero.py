@@ -20,9 +20,10 @@ from torch import nn
 from course_lib.backend import default_dist, global_rank
 from course_lib.ddp import broadcast_coalesced, buckets_to_launch, check_same_tensors, make_buckets
 
-__all__ = ["state_bytes", "shard_range", "FlatLayout", "reduce_scatter_grads", "Then",
-    "all_gather_params", "zero1_step", "ZeroRedundancyOptimizer", "unshard", "reduce_unit_grad",
-    "FSDPUnit", "fully_shard", "Piece", "full_state_dict", "sharded_state_dict"]
+__all__ = ["storage_bytes", "state_bytes", "shard_range", "FlatLayout", "reduce_scatter_grads",
+    "Then", "all_gather_params", "zero1_step", "ZeroRedundancyOptimizer", "unshard",
+    "reduce_unit_grad", "FSDPUnit", "fully_shard", "Piece", "full_state_dict",
+    "sharded_state_dict"]
 
 
 # %% solutions/08_zero.ipynb, cell 5
@@ -31,7 +32,7 @@ def _units(module: nn.Module) -> list[Any]:
     return [m._zero_unit for m in module.modules() if hasattr(m, "_zero_unit")]
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
@@ -55,8 +56,8 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         grads += [b.shard.grad, b.staging, b.reduced]
     state = ([v for s in local.state.values() for k, v in s.items()
               if isinstance(v, torch.Tensor) and k != "step"] if local is not None else [])
-    return {"parameters": _storage_bytes(params + fulls), "gradients": _storage_bytes(grads),
-            "optimizer state": _storage_bytes(state)}
+    return {"parameters": storage_bytes(params + fulls), "gradients": storage_bytes(grads),
+            "optimizer state": storage_bytes(state)}
 
 
 # %% solutions/08_zero.ipynb, cell 11
@@ -186,7 +187,7 @@ class _Bucket:
             p.data = view
         # A view: the optimizer's in-place update of the shard is the update of `flat`.
         self.shard = nn.Parameter(self.layout.chunks(self.flat)[rank])
-        self.staging: torch.Tensor | None = None  # stage 2, in backward: the local gradients
+        self.staging: torch.Tensor | None = None  # in backward: the bucket's local gradients
         self.staging_views: list[torch.Tensor] = []
         self.reduced: torch.Tensor | None = None
         self.work: Any = None
@@ -194,7 +195,7 @@ class _Bucket:
 
     def launch_reduce(self, dist: Any, group: Any) -> None:
         """Start averaging this bucket's gradients into a new shard-sized tensor."""
-        if self.staging is None:  # stage 1, or no gradient arrived in this backward
+        if self.staging is None:  # no gradient arrived in this backward
             self.staging = self.layout.flatten([p.grad for p in self.params])
         self.reduced = torch.empty(self.layout.shard_numel, dtype=self.layout.dtype)
         self.work = reduce_scatter_grads(self.staging, self.reduced, dist=dist, group=group,
@@ -218,10 +219,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     parameters: stage 1 shards the optimizer state, stage 2 also the gradients.
 
     Use it like the optimizer it wraps, on a plain (not DDP-wrapped) model: `loss.backward()`
-    then `step()`. Stage 1 reduce-scatters the gradients in `step()`; stage 2 does it bucket by
-    bucket during backward and drops each full gradient as soon as it is in its bucket. After
-    the local step every rank all-gathers the updated parameters, so every rank holds the
-    whole model again, as with DDP.
+    then `step()`. Gradients are reduce-scattered bucket by bucket during backward; stage 1
+    leaves the full local gradients in `p.grad`, stage 2 drops each as soon as it is in its
+    bucket. After the local step every rank all-gathers the updated parameters, so every rank
+    holds the whole model again, as with DDP.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type, *, stage: int = 1,
@@ -255,9 +256,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(local_groups)
         self._in_backward, self._next_bucket = False, 0
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if stage == 2:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                             for b in self.buckets for p in b.params]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                         for b in self.buckets for p in b.params]
 
     @staticmethod
     def _hyper(group: dict) -> dict:
@@ -271,7 +271,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Stage 2: move a fresh gradient into its bucket, launch complete buckets in order."""
+        """Copy a fresh gradient into its bucket; launch the complete buckets, in order."""
         if not self._in_backward:
             self._in_backward, self._next_bucket = True, 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -281,10 +281,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             bucket.staging_views = bucket.layout.views(bucket.staging)
         if id(p) in bucket.ready:
             raise RuntimeError("ZeroRedundancyOptimizer: a parameter got its gradient twice in "
-                               "one backward (reentrant backward is not supported at stage 2)")
+                               "one backward (reentrant backward is not supported)")
         with torch.no_grad():
             bucket.staging_views[bucket.index[id(p)]].copy_(p.grad)
-        p.grad = None  # the full gradient is not kept: only this rank's reduced shard will be
+        if self.stage == 2:
+            p.grad = None  # the full gradient is not kept: only this rank's reduced shard is
         bucket.ready.add(id(p))
         complete = [len(b.ready) == len(b.params) for b in self.buckets]
         for i in buckets_to_launch(self._next_bucket, complete):
@@ -302,18 +303,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Reduce the gradients (stage 1), step on this rank's shard, all-gather parameters."""
+        """Step on this rank's shard of the reduced gradients, then all-gather the parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for local, b in zip(self.optim.param_groups, self.buckets):
             local.update(self._hyper(self.param_groups[b.group_index]))  # lr schedulers
-        if self.stage == 1:
-            for b in self.buckets:
-                b.launch_reduce(self.dist, self.group)
-            for b in self.buckets:
-                b.finish_reduce()
         zero1_step(self.optim, [b.flat for b in self.buckets], [b.shard for b in self.buckets],
                    [b.layout for b in self.buckets], dist=self.dist, group=self.group)
         if self.stage == 1:

@@ -2,7 +2,9 @@
 
 One spawn per (backend, world size) trains every stage with every optimizer for 10 steps on a
 model with uneven shapes, a frozen parameter and tied weights, in float64; the parameters must
-equal one process's to rtol 1e-9. The same spawn counts state bytes and communication.
+equal one process's to rtol 1e-9. The same spawns count state bytes and communication (scratch),
+run torch's counterparts (gloo, world 2) and feed bad input (scratch, world 3): each test below
+reads its part of the results, so the file starts 6 process groups, not 11.
 """
 
 from __future__ import annotations
@@ -114,10 +116,31 @@ def run_stages(rank: int, world: int) -> dict:
     return out
 
 
+def run_all(rank: int, world: int, backend: str) -> dict:
+    out = {"stages": run_stages(rank, world)}
+    if backend == "scratch":
+        out["accounting"] = run_accounting(rank, world)
+    if backend == "gloo" and world == 2:
+        out["torch"] = run_torch_counterparts(rank, world)
+    if backend == "scratch" and world == 3:
+        out["bad"] = run_bad_inputs(rank, world)
+    return out
+
+
+_RUNS: dict = {}
+
+
+def results_for(backend: str, world: int, part: str) -> list:
+    """Each rank's results of `part`, from the one spawn of (backend, world) this file makes."""
+    if (backend, world) not in _RUNS:
+        _RUNS[backend, world] = spawn(run_all, world, backend, backend=backend, timeout=300)
+    return [res[part] for res in _RUNS[backend, world]]
+
+
 @pytest.mark.parametrize("backend", ["scratch", "gloo"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_stage_equals_one_process(backend, world):
-    results = spawn(run_stages, world, backend=backend, timeout=240)
+    results = results_for(backend, world, "stages")
     for opt_name in OPTIMIZERS:
         ref = reference(opt_name, world)
         for stage in (1, 2, 3):
@@ -224,7 +247,7 @@ def padded(n: int, world: int) -> int:
 def test_state_bytes_and_traffic_follow_the_closed_forms(world):
     """fp32 Adam, P parameters, N ranks: DDP 16P; ZeRO-1 8P + 8P/N; ZeRO-2 4P + 12P/N;
     ZeRO-3 16P/N (padding to a multiple of N included); traffic: ZeRO-1/2 = DDP, ZeRO-3 1.5x."""
-    results = spawn(run_accounting, world, backend="scratch", timeout=120)
+    results = results_for("scratch", world, "accounting")
     unit = D * D + D
     P, N = UNITS * unit, world
     Pp = padded(P, N)  # ZeRO-1/2: one bucket holds every parameter
@@ -302,7 +325,7 @@ def run_torch_counterparts(rank: int, world: int) -> dict:
 
 
 def test_ours_and_torchs_counterparts_agree_on_gloo():
-    results = spawn(run_torch_counterparts, 2, backend="gloo", timeout=180)
+    results = results_for("gloo", 2, "torch")
     ref = reference("adamw", 2)
     for rank, res in enumerate(results):
         for impl in ("ours", "torch zero", "torch fsdp2"):
@@ -361,7 +384,7 @@ def run_bad_inputs(rank: int, world: int) -> dict:
 
 def test_bad_input_gets_a_clear_error_naming_the_ranks():
     world = 3
-    results = spawn(run_bad_inputs, world, backend="scratch", timeout=60)
+    results = results_for("scratch", world, "bad")
     for rank, res in enumerate(results):
         for key in ("shapes zero", "shapes fsdp"):
             assert f"rank(s) {world - 1} of the group hold parameters" in res[key], res[key]
