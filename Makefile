@@ -17,3 +17,5 @@ bench:
 	$(PYTHON) course.py bench ddp --world 2 --model mlp --json bench-results/ddp-mlp.json
 	$(PYTHON) course.py bench tp --json bench-results/tp.json --plot bench-results/tp.png
 	$(PYTHON) course.py bench pipeline --stages 2,4 --json bench-results/pipeline.json --plot bench-results/pipeline.png
+	$(PYTHON) course.py bench zero --world 2 --json bench-results/zero-w2.json --plot bench-results/zero-w2.png
+	$(PYTHON) course.py bench zero --world 4 --no-peak --json bench-results/zero-w4.json

@@ -69,6 +69,16 @@ def gloo_cluster_2():
         yield c
 
 
+@pytest.fixture(scope="session")
+def scratch_cluster_4():
+    """One 4-rank scratch cluster shared by the exercise tests of several lessons (those
+    checked on the first 2, 3 and 4 ranks of it)."""
+    from course_lib.cluster import start
+
+    with start(4, backend="scratch", timeout=60) as c:
+        yield c
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return

@@ -122,12 +122,9 @@ def tree_without_translation(tensor, src):
         k *= 2
 
 
-@pytest.fixture(scope="module")
-def c4():
-    from course_lib.cluster import start
-
-    with start(4, backend="scratch", timeout=60) as c:
-        yield c
+@pytest.fixture
+def c4(scratch_cluster_4):
+    return scratch_cluster_4
 
 
 @pytest.mark.cluster

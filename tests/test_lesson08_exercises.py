@@ -81,12 +81,9 @@ class _Done:
         return True
 
 
-@pytest.fixture(scope="module")
-def c4():
-    from course_lib.cluster import start
-
-    with start(4, backend="scratch", timeout=60) as c:
-        yield c
+@pytest.fixture
+def c4(scratch_cluster_4):
+    return scratch_cluster_4
 
 
 @pytest.mark.cluster

@@ -116,8 +116,37 @@ def run_stages(rank: int, world: int) -> dict:
     return out
 
 
+def run_on_sub_group(rank: int, world: int) -> dict | None:
+    """ZeRO-1, -2 and -3 on global ranks 1 and 3 only, passed as `group`."""
+    from course_lib import zero
+    from course_lib.backend import default_dist
+
+    group = default_dist().new_group([1, 3])
+    if rank not in (1, 3):
+        return None
+    me, cls, kw = [1, 3].index(rank), *OPTIMIZERS["adam"]
+    out = {}
+    for stage in (1, 2, 3):
+        model = make_net(seed=0 if rank == 1 else 7)  # the group's first rank is global rank 1
+        if stage == 3:
+            for block in model.blocks:
+                zero.fully_shard(block, group=group)
+            zero.fully_shard(model, group=group)
+            opt = cls(model.parameters(), **kw)
+        else:
+            opt = zero.ZeroRedundancyOptimizer(model.parameters(), cls, stage=stage, group=group,
+                                               **kw)
+        _train(model, opt, me, 2)
+        state = (zero.full_state_dict(model, rank0_only=False) if stage == 3
+                 else model.state_dict())
+        out[stage] = {k: v.numpy().copy() for k, v in state.items()}
+    return out
+
+
 def run_all(rank: int, world: int, backend: str) -> dict:
     out = {"stages": run_stages(rank, world)}
+    if world == 4:
+        out["sub group"] = run_on_sub_group(rank, world)
     if backend == "scratch":
         out["accounting"] = run_accounting(rank, world)
     if backend == "gloo" and world == 2:
@@ -397,3 +426,15 @@ def test_bad_input_gets_a_clear_error_naming_the_ranks():
         # d/dw of sum(w * x) is x; the mean over ranks of (rank + 1) is 2
         assert res["tiny"] == pytest.approx(0.5 - 0.1 * 2, rel=1e-12)
         assert res["tiny fsdp"] == pytest.approx(0.5 - 0.1 * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["scratch", "gloo"])
+def test_every_stage_on_a_sub_group(backend):
+    results = results_for(backend, 4, "sub group")
+    assert results[0] is None and results[2] is None
+    ref = reference("adam", 2)
+    for rank in (1, 3):
+        for stage, got in results[rank].items():
+            for name, want in ref.items():
+                torch.testing.assert_close(torch.as_tensor(got[name]), want, **TOL,
+                                           msg=lambda m: f"ZeRO-{stage} rank {rank} {name}: {m}")

@@ -66,7 +66,12 @@ def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict) -> Any:
     if engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
     kwargs = dict(n=n, engines=engines, log_level=logging.ERROR,
-                  cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True)
+                  cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True,
+                  # An engine counts as registered at its first heartbeat: at ipyparallel's
+                  # 3 s period that is most of a start; at 1 s, with 3x the misses allowed,
+                  # a start is 3 s shorter and a silent engine is still given 30 s.
+                  controller_args=["--HeartMonitor.period=1000",
+                                   "--HeartMonitor.max_heartmonitor_misses=30"])
     if engines == "local":
         kwargs["controller_ip"] = "127.0.0.1"
     return ipp.Cluster(**{**kwargs, **ipp_kwargs})
