@@ -10,6 +10,16 @@ import time
 from typing import Any, Iterable, Sequence
 
 
+def choose(text: str, known: Iterable[str], what: str = "variants") -> list[str]:
+    """The comma-separated names in `text`, each one of `known` (else a one-line exit)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+    return names
+
+
 def median(values: Iterable[float]) -> float:
     """Median of the repeats: robust to the odd slow run on a shared 2-core machine."""
     return statistics.median(list(values))

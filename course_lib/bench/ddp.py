@@ -16,7 +16,7 @@ import argparse
 import time
 from typing import Any
 
-from course_lib.bench.common import median, slowest_rank
+from course_lib.bench.common import choose, median, slowest_rank
 
 # name -> (implementation, backend); "local" runs the same step without communicating.
 # The lesson's other steps are asked for by name: "flat" and "bucketed" allocate and free a
@@ -204,10 +204,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from course_lib.backend import free_port
     from course_lib.spawn import spawn
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    names = choose(args.variants, VARIANTS)
     if "local" in names:
         names.remove("local")
     names.insert(0, "local")  # the baseline comes first: summarize() measures against it

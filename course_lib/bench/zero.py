@@ -16,7 +16,7 @@ import resource
 import time
 from typing import Any
 
-from course_lib.bench.common import median, slowest_rank
+from course_lib.bench.common import choose, median, slowest_rank
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero", "torch_fsdp2")
 COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero",
@@ -179,10 +179,7 @@ def summarize(results: list[dict], names: list[str], args: dict,
 def run(args: argparse.Namespace) -> list[dict]:
     from course_lib.spawn import spawn
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    names = choose(args.variants, VARIANTS)
     conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "iters", "warmup")}
     results = spawn(_measure_worker, args.world, conf, names, backend="gloo",
                     timeout=args.timeout)
