@@ -93,15 +93,9 @@ def test_reduce_scatter_grads_solution_and_mistakes(c4):
         less("lesson08.reduce_scatter_grads", wrong, c4)
     r = less("lesson08.reduce_scatter_grads", all_reduce_then_slice, c4)
     assert "calls" in r.reason and "all_reduce" in r.reason, r.reason
-    # The race is real but a fast reduction can win it; it must never score more than full.
-    assert full_or_less(divides_before_waiting, c4)
-
-
-def full_or_less(fn, cluster) -> bool:
-    from course_lib.grading import grade_function
-
-    r = grade_function("lesson08.reduce_scatter_grads", fn, cluster)
-    return r.points <= r.max_points
+    # A race a fast reduction can win; the check's dist lands async results only in wait().
+    r = less("lesson08.reduce_scatter_grads", divides_before_waiting, c4)
+    assert "async" in r.reason, r.reason
 
 
 # lesson08.zero1_step --------------------------------------------------------------------------

@@ -253,6 +253,12 @@ def run_accounting(rank: int, world: int) -> dict:
             opt = zero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
                                                stage=int(variant[-1]), dist=counting, lr=1e-3)
         peaks: list[int] = []
+        prefetched: list[bool] = []
+        if variant == "zero3":  # after each block's forward: is the next block's gather started?
+            for block, nxt in zip(model[:-1], model[1:]):
+                block.register_forward_hook(
+                    lambda *_, nxt=nxt: prefetched.append(any(
+                        f.gathering is not None or f.gathered for f in nxt._zero_unit.flats)))
         x = torch.randn(4, D, generator=torch.Generator().manual_seed(rank))
         for step in range(2):
             if step == 1:  # count the second step only: construction and warm-up are done
@@ -264,6 +270,7 @@ def run_accounting(rank: int, world: int) -> dict:
         for undo in restore:
             undo()
         out[variant] = {"bytes": zero.state_bytes(model, opt), "peak": max(peaks, default=0),
+                        "prefetched": prefetched,
                         "sent": counting.sent_bytes(), "calls": dict(counting.calls)}
     return out
 
@@ -303,6 +310,9 @@ def test_state_bytes_and_traffic_follow_the_closed_forms(world):
             assert res[variant]["calls"] == {"reduce_scatter": 1, "all_gather": 1}
         assert res["zero3"]["sent"] == pytest.approx(1.5 * ring * Pu / P)
         assert res["zero3"]["calls"] == {"all_gather": 2 * UNITS, "reduce_scatter": UNITS}
+        # The first forward records the order; from the second on, each block's forward runs
+        # while the next block's all-gather is already under way.
+        assert res["zero3"]["prefetched"] == [False] * (UNITS - 1) + [True] * (UNITS - 1)
         # Peaks of parameter, gradient and optimizer state during a step, as formulas:
         sharded = sum(want["zero3"].values())
         gathered = 4 * padded(unit, N)
