@@ -108,6 +108,24 @@ def chain_broadcast(tensor, src):
         dist.send(tensor, (r + 1) % p)
 
 
+def whole_rounds_only(tensor, src):
+    """floor(lg p) rounds instead of ceil(lg p): right on 2 and 4 ranks, on 3 the last rank
+    never receives (it waits: a timeout)."""
+    import math
+
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    v = (r - src) % p
+    for j in range(int(math.log2(p))):
+        k = 2 ** j
+        if v < k and v + k < p:
+            dist.send(tensor, (v + k + src) % p)
+        elif k <= v < 2 * k:
+            dist.recv(tensor, (v - k + src) % p)
+    if v >= 2 ** int(math.log2(p)):
+        dist.recv(tensor, (v - 2 ** int(math.log2(p)) + src) % p)
+
+
 def tree_without_translation(tensor, src):
     """Virtual ranks computed but never translated back: only right when src == 0."""
     from course_lib import dist
@@ -144,3 +162,6 @@ def test_tree_broadcast_solution_and_mistakes(c4):
     full("lesson02.tree_broadcast", _TREE, c4)
     for wrong in (from_rank_zero, naive_broadcast, chain_broadcast, tree_without_translation):
         less("lesson02.tree_broadcast", wrong, c4)
+    r = less("lesson02.tree_broadcast", whole_rounds_only, c4, time_limit=3)
+    assert "3 ranks" in r.reason, r.reason  # the power-of-two case passes; 3 ranks does not
+    full("lesson02.tree_broadcast", _TREE, c4)  # the cluster recovered

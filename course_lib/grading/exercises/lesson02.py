@@ -1,4 +1,6 @@
-"""Lesson 02 (collectives): ring all_reduce and binomial-tree broadcast from send/recv."""
+"""Lesson 02 (collectives): ring all_reduce and binomial-tree broadcast from send/recv,
+checked on the first 2, 3 and 4 ranks of the grader's 4-rank cluster (3 catches code that only
+works on powers of two)."""
 
 from __future__ import annotations
 
@@ -36,20 +38,53 @@ def counting_messages():
             setattr(dist, name, fn)
 
 
+LIBRARY = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "scatter",
+           "gather", "barrier")
+
+
+@contextmanager
+def first_ranks_as_world(k: int):
+    """Inside the block, course_lib.dist's world is global ranks 0..k-1: get_world_size()
+    says k (their ranks and send/recv peers are the same numbers), and the library's
+    collectives, which would wait for the ranks left out, raise instead."""
+    from course_lib import dist
+
+    saved = {name: getattr(dist, name) for name in ("get_world_size", *LIBRARY)}
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"dist.{name} is the library's; build this one from send/recv")
+        return call
+
+    dist.get_world_size = lambda group=None: k if group is None else saved["get_world_size"](group)
+    for name in LIBRARY:
+        setattr(dist, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 # --- lesson02.ring_all_reduce ----------------------------------------------------------------
 
 
-def ring_harness(fn, rank: int, world_size: int, n: int, dtype: str) -> dict:
+def ring_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+    """On the first k ranks as a world of k: each rank's tensor, all-reduced by `fn`."""
+    if rank >= k:
+        return None
     t = payload(rank, n, getattr(torch, dtype))
-    with counting_messages() as counts:
+    with first_ranks_as_world(k), counting_messages() as counts:
         fn(t)
     return {"tensor": t, "messages sent": counts["sent"]}
 
 
-def _ring_reference(rank: int, world_size: int, n: int, dtype: str) -> dict:
-    total = sum(payload(r, n, getattr(torch, dtype)) for r in range(world_size))
+def _ring_reference(rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+    if rank >= k:
+        return None
+    total = sum(payload(r, n, getattr(torch, dtype)) for r in range(k))
     return {"tensor": total if n else torch.empty(0, dtype=getattr(torch, dtype)),
-            "messages sent": 2 * (world_size - 1)}
+            "messages sent": 2 * (k - 1)}
 
 
 register(Exercise(
@@ -57,10 +92,11 @@ register(Exercise(
     notebook="02_collectives",
     params=("tensor",),
     cases=[
-        case(RANK, WORLD_SIZE, 12, "float32", label="12 floats"),
-        case(RANK, WORLD_SIZE, 7, "float32", label="7 floats: chunks of unequal size"),
-        case(RANK, WORLD_SIZE, 1001, "int64", label="1001 int64"),
-        case(RANK, WORLD_SIZE, 2, "float32", label="2 floats: fewer elements than ranks"),
+        case(RANK, WORLD_SIZE, 4, 12, "float32", label="4 ranks, 12 floats"),
+        case(RANK, WORLD_SIZE, 3, 7, "float32", label="3 ranks, 7 floats: unequal chunks"),
+        case(RANK, WORLD_SIZE, 2, 5, "float32", label="2 ranks, 5 floats"),
+        case(RANK, WORLD_SIZE, 3, 1001, "int64", label="3 ranks, 1001 int64"),
+        case(RANK, WORLD_SIZE, 4, 2, "float32", label="4 ranks, 2 floats: fewer than ranks"),
     ],
     reference=_ring_reference,
     harness=ring_harness,
@@ -77,20 +113,25 @@ register(Exercise(
 # --- lesson02.tree_broadcast -----------------------------------------------------------------
 
 
-def tree_harness(fn, rank: int, world_size: int, n: int, src: int) -> dict:
-    """`src` < 0 counts from the end (-1: the last rank). Checks the data and the tree shape:
-    the root sends ceil(lg p) messages, every other rank receives one and sends fewer."""
-    src %= world_size
+def tree_harness(fn, rank: int, world_size: int, k: int, n: int, src: int) -> dict | None:
+    """On the first k ranks as a world of k; `src` < 0 counts from the end (-1: the last
+    rank). Checks the data and the tree shape: the root sends ceil(lg k) messages, every
+    other rank receives one and sends fewer."""
+    if rank >= k:
+        return None
+    src %= k
     t = payload(src, n) if rank == src else torch.zeros(n)
-    with counting_messages() as counts:
+    with first_ranks_as_world(k), counting_messages() as counts:
         fn(t, src)
-    depth = math.ceil(math.log2(world_size))
+    depth = math.ceil(math.log2(k))
     tree = counts["sent"] == depth if rank == src else counts["sent"] <= depth - 1
     return {"tensor": t, "received": counts["received"], "tree-shaped sends": tree}
 
 
-def _tree_reference(rank: int, world_size: int, n: int, src: int) -> dict:
-    src %= world_size
+def _tree_reference(rank: int, world_size: int, k: int, n: int, src: int) -> dict | None:
+    if rank >= k:
+        return None
+    src %= k
     return {"tensor": payload(src, n), "received": 0 if rank == src else 1,
             "tree-shaped sends": True}
 
@@ -100,9 +141,10 @@ register(Exercise(
     notebook="02_collectives",
     params=("tensor", "src"),
     cases=[
-        case(RANK, WORLD_SIZE, 5, 0, label="5 floats from rank 0"),
-        case(RANK, WORLD_SIZE, 7, 1, label="7 floats from rank 1"),
-        case(RANK, WORLD_SIZE, 1000, -1, label="1000 floats from the last rank"),
+        case(RANK, WORLD_SIZE, 4, 5, 0, label="4 ranks, 5 floats from rank 0"),
+        case(RANK, WORLD_SIZE, 3, 7, 1, label="3 ranks, 7 floats from rank 1"),
+        case(RANK, WORLD_SIZE, 3, 1000, -1, label="3 ranks, 1000 floats from the last rank"),
+        case(RANK, WORLD_SIZE, 2, 5, 1, label="2 ranks, 5 floats from rank 1"),
     ],
     reference=_tree_reference,
     harness=tree_harness,
