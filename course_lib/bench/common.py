@@ -63,3 +63,15 @@ def format_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
     table = [columns] + [[cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
+
+
+def finish(fig: Any, path: str | None) -> Any:
+    """Lay `fig` out; save it to `path` and close it, or return it (in a notebook)."""
+    fig.tight_layout()
+    if path is None:
+        return fig
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

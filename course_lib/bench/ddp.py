@@ -16,7 +16,7 @@ import argparse
 import time
 from typing import Any
 
-from course_lib.bench.common import choose, median, slowest_rank
+from course_lib.bench.common import choose, finish, median, slowest_rank
 
 # name -> (implementation, backend); "local" runs the same step without communicating.
 # The lesson's other steps are asked for by name: "flat" and "bucketed" allocate and free a
@@ -233,9 +233,4 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
     ax.set_title(f"DDP variants, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB of "
                  f"gradients, bucket {rows[0]['bucket_mb']:g} MiB")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    if path is None:
-        return fig
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return finish(fig, path)

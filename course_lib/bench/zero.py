@@ -16,7 +16,7 @@ import resource
 import time
 from typing import Any
 
-from course_lib.bench.common import choose, median, slowest_rank
+from course_lib.bench.common import choose, finish, median, slowest_rank
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero", "torch_fsdp2")
 COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero",
@@ -204,9 +204,4 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
     a.invert_yaxis()
     fig.suptitle(f"ZeRO stages, world {rows[0]['world']}, {rows[0]['params'] / 1e6:.1f}M "
                  "parameters, fp32 Adam, gloo")
-    fig.tight_layout()
-    if path is None:
-        return fig
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return finish(fig, path)

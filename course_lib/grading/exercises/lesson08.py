@@ -51,6 +51,12 @@ class _Landing:
         return True
 
 
+def register_on_sub_worlds(name: str, **fields) -> None:
+    """A lesson 08 exercise run on sub-worlds of the grader's 4-rank scratch cluster."""
+    register(Exercise(name=name, notebook="08_zero", distributed=True, world_size=4,
+                      rtol=1e-12, **fields))
+
+
 def _values(k: int, rank: int, n: int) -> torch.Tensor:
     """Rank `rank`'s padded flat gradient: different per rank and per element."""
     return torch.arange(n, dtype=torch.float64) * (rank + 1) + 0.5 * rank
@@ -121,9 +127,8 @@ def _rs_reference(rank: int, world_size: int, k: int, n_per_rank: int, async_op:
             "calls": {"reduce_scatter": 1}, "returned a work": True}
 
 
-register(Exercise(
-    name="lesson08.reduce_scatter_grads",
-    notebook="08_zero",
+register_on_sub_worlds(
+    "lesson08.reduce_scatter_grads",
     params=("flat_grad", "shard"),
     cases=[case(RANK, WORLD_SIZE, k, n, a, label=f"{k} ranks, {n} per rank"
                 + (", async" if a else ""))
@@ -131,15 +136,12 @@ register(Exercise(
                            (4, 1, True))],
     reference=_rs_reference,
     harness=rs_harness,
-    distributed=True,
-    world_size=4,
     points=2,
-    rtol=1e-12,
     hint=("One dist.reduce_scatter(shard, chunks, group=group, async_op=async_op), with the "
           "flat gradient cut into world_size equal chunks in rank order, then shard / "
           "world_size (the average, not the sum). With async_op, divide when the work is "
           "waited for: return an object whose wait() waits and then divides (see Then)."),
-))
+)
 
 
 # --- lesson08.zero1_step -----------------------------------------------------------------------
@@ -179,22 +181,18 @@ def _zero1_reference(rank: int, world_size: int, k: int, numels: list):
     return {"flat buffers": out, "calls": {"all_gather": len(numels)}}
 
 
-register(Exercise(
-    name="lesson08.zero1_step",
-    notebook="08_zero",
+register_on_sub_worlds(
+    "lesson08.zero1_step",
     params=("optimizer", "flats", "shards", "layouts"),
     cases=[case(RANK, WORLD_SIZE, k, numels, label=f"{k} ranks, buckets of {numels}")
            for k, numels in ((2, [6]), (3, [10, 4]), (4, [7, 1, 9]))],
     reference=_zero1_reference,
     harness=zero1_harness,
-    distributed=True,
-    world_size=4,
     points=2,
-    rtol=1e-12,
     hint=("First optimizer.step() (it updates this rank's shards, which are views of the flat "
           "buffers), then one all_gather per bucket: all_gather_params(flat, shard.detach(), "
           "layout, dist=dist, group=group), async and waited for at the end if you like."),
-))
+)
 
 
 # --- lesson08.unshard and lesson08.reduce_unit_grad --------------------------------------------
@@ -251,23 +249,19 @@ def _unshard_reference(rank: int, world_size: int, k: int, numels: list):
             "calls": {"all_gather": 1}}
 
 
-register(Exercise(
-    name="lesson08.unshard",
-    notebook="08_zero",
+register_on_sub_worlds(
+    "lesson08.unshard",
     params=("flat",),
     cases=[case(RANK, WORLD_SIZE, k, numels, label=f"{k} ranks, parameters of {numels}")
            for k, numels in ((2, [3, 4]), (3, [5, 2, 7]), (4, [6]))],
     reference=_unshard_reference,
     harness=unshard_harness,
-    distributed=True,
-    world_size=4,
     points=2,
-    rtol=1e-12,
     hint=("Regrow the storage (flat.full.untyped_storage().resize_(flat.nbytes)), then "
           "all_gather_params(flat.alias, flat.shard.detach(), flat.layout, ...) and return its "
           "work. Gather into flat.alias, not flat.full: writing through full bumps its version "
           "counter and autograd would refuse the tensors it saved in forward."),
-))
+)
 
 
 def _reduce_body(dist, rank: int, fn, numels: list) -> dict:
@@ -297,19 +291,15 @@ def _reduce_reference(rank: int, world_size: int, k: int, numels: list):
             "full gradient dropped": True, "calls": {"reduce_scatter": 1}}
 
 
-register(Exercise(
-    name="lesson08.reduce_unit_grad",
-    notebook="08_zero",
+register_on_sub_worlds(
+    "lesson08.reduce_unit_grad",
     params=("flat",),
     cases=[case(RANK, WORLD_SIZE, k, numels, label=f"{k} ranks, parameters of {numels}")
            for k, numels in ((2, [3, 4]), (3, [5, 2, 7]), (4, [9]))],
     reference=_reduce_reference,
     harness=reduce_harness,
-    distributed=True,
-    world_size=4,
     points=2,
-    rtol=1e-12,
     hint=("Take flat.full.grad and set it to None; reduce_scatter_grads it into a new tensor of "
           "flat.layout.shard_numel elements with async_op=True; flat.free(); return (work, "
           "reduced shard, the full gradient) so the gradient lives until it has been sent."),
-))
+)
