@@ -6,7 +6,8 @@ them alike. Per variant: median step time of the slowest rank and its ratio to o
 torch's counterpart; bytes of parameters, gradients and optimizer state per rank, measured
 from the tensors' storages and by the closed form; and, in a separate run per variant (peak
 resident memory is a high-water mark, so it needs a process of its own), the peak RSS growth
-of a rank over building the variant and training a few steps.
+of a rank over building the variant and training a few steps (the high-water mark reset to
+the current RSS first).
 """
 
 from __future__ import annotations
@@ -129,16 +130,39 @@ def measure(names: list[str], args: dict, rank: int) -> dict:
     return {"times": times, "bytes": {n: measured_bytes(*built[n]) for n in names}}
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    """Restart the resident high-water mark at the current RSS (Linux: clear_refs 5); returns
+    the KiB to measure growth from."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _rss_kib("VmRSS")
+    except OSError:  # elsewhere: the mark so far, which can only under-report the growth
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_kib() -> int:
+    try:
+        return _rss_kib("VmHWM")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def peak(variant: str, args: dict, rank: int) -> float:
     """MiB of peak RSS growth over building `variant` and training a few steps."""
     import torch
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _reset_peak()
     model, opt = build(variant, args)
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     for _ in range(3):
         _step(model, opt, x)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+    return (_peak_kib() - before) / 1024
 
 
 def _measure_worker(rank: int, world: int, args: dict, names: list[str]) -> dict:
