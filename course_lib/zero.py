@@ -21,7 +21,7 @@ from course_lib.backend import default_dist, global_rank
 from course_lib.ddp import broadcast_coalesced, buckets_to_launch, check_same_tensors, make_buckets
 
 __all__ = ["storage_bytes", "state_bytes", "shard_range", "FlatLayout", "reduce_scatter_grads",
-    "Then", "all_gather_params", "zero1_step", "ZeroRedundancyOptimizer", "unshard",
+    "Then", "all_gather_params", "zero1_step", "add_grad", "ZeroRedundancyOptimizer", "unshard",
     "reduce_unit_grad", "FSDPUnit", "fully_shard", "Piece", "full_state_dict",
     "sharded_state_dict"]
 
@@ -174,6 +174,14 @@ def _group_rank(dist: Any, group: Any, who: str) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+def add_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """`param.grad` gains `grad`, as autograd accumulates (set when there is none yet)."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
 class _Bucket:
     """Parameters of one dtype and one param group in one padded flat buffer; the
     parameters become views of it, and this rank's optimizer steps on its shard of it."""
@@ -204,10 +212,7 @@ class _Bucket:
     def finish_reduce(self) -> None:
         """Wait for the reduction; the shard's gradient gains it (accumulating backwards)."""
         self.work.wait()
-        if self.shard.grad is None:
-            self.shard.grad = self.reduced
-        else:
-            self.shard.grad += self.reduced
+        add_grad(self.shard, self.reduced)
         self.staging = self.reduced = self.work = None
         self.staging_views = []
         self.ready.clear()
@@ -443,10 +448,7 @@ class _Schedule:
         while len(self.pending) > keep:
             flat, work, reduced, _grad = self.pending.pop(0)
             work.wait()
-            if flat.shard.grad is None:
-                flat.shard.grad = reduced
-            else:
-                flat.shard.grad += reduced
+            add_grad(flat.shard, reduced)
 
     def finish_backward(self) -> None:
         """End of backward: every gradient shard is reduced, every unit resharded."""

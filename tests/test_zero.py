@@ -25,9 +25,9 @@ OPTIMIZERS = {
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = IN):
         super().__init__()
-        self.fc = nn.Linear(IN, IN)
+        self.fc = nn.Linear(width, width)
 
     def forward(self, h):
         return torch.tanh(self.fc(h))
@@ -201,16 +201,7 @@ D, UNITS = 33, 4  # 4 blocks of 33*33 + 33 = 1122 parameters each
 
 def blocks_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[Block33() for _ in range(UNITS)])
-
-
-class Block33(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(D, D)
-
-    def forward(self, h):
-        return torch.tanh(self.fc(h))
+    return nn.Sequential(*[Block(D) for _ in range(UNITS)])
 
 
 def _peak_sampler(zero, model, opt, peaks: list):
