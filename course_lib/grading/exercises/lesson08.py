@@ -8,53 +8,14 @@ import math
 
 import torch
 
-from course_lib.counting import CountingDist
 from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
-
-SUB_WORLDS = (2, 3, 4)
-
-
-def on_first_ranks(k: int, body, fn, *args):
-    """Run `body(dist, rank, fn, *args)` on global ranks 0..k-1 as a world of k ranks (a counting
-    dist bound to that sub-group, whose async results land only when waited for); the other
-    ranks take part in creating the group only."""
-    from course_lib.backend import default_dist
-
-    real = default_dist()
-    group = real.new_group(list(range(k)))  # every rank must create it, members or not
-    if real.get_rank() >= k:
-        return None
-    counting = LateDist(real, group=group)
-    return body(counting, counting.get_rank(), fn, *args)
-
-
-class LateDist(CountingDist):
-    """A counting dist whose async reduce_scatter writes its output only in `wait()`, as a
-    real one may: code that uses the output before waiting is caught every time."""
-
-    def reduce_scatter(self, output, input_list, *args, async_op=False, **kwargs):
-        if not async_op:
-            return super().reduce_scatter(output, input_list, *args, **kwargs)
-        landed = torch.empty_like(output)
-        super().reduce_scatter(landed, input_list, *args, **kwargs)
-        return _Landing(output, landed)
-
-
-class _Landing:
-    """The work of a LateDist collective: the result lands when it is waited for."""
-
-    def __init__(self, output, landed):
-        self.output, self.landed = output, landed
-
-    def wait(self):
-        self.output.copy_(self.landed)
-        return True
+from course_lib.grading.sub_worlds import on_first_ranks
+from course_lib.grading.sub_worlds import register_on_sub_worlds as register_on
 
 
 def register_on_sub_worlds(name: str, **fields) -> None:
     """A lesson 08 exercise run on sub-worlds of the grader's 4-rank scratch cluster."""
-    register(Exercise(name=name, notebook="08_zero", distributed=True, world_size=4,
-                      rtol=1e-12, **fields))
+    register_on(name, "08_zero", rtol=1e-12, **fields)
 
 
 def _values(k: int, rank: int, n: int) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""Distributed checks on the first 2, 3 and 4 ranks of the grader's 4-rank cluster.
+
+One cluster serves every world size: `on_first_ranks(k, ...)` makes a group of the first k
+ranks and hands the learner's code a counting `dist` bound to it, so `get_world_size()` says k
+and every collective is counted (a non-power of two catches algorithms that only work on
+powers of two; the counts catch the right answer reached with the wrong communication).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from course_lib.counting import CountingDist
+from course_lib.grading import Exercise, register
+
+SUB_WORLDS = (2, 3, 4)
+
+
+def on_first_ranks(k: int, body: Callable, fn: Callable, *args: Any) -> Any:
+    """Run `body(dist, rank, fn, *args)` on global ranks 0..k-1 as a world of k ranks (a
+    `LateDist` bound to that sub-group); the other ranks only take part in creating the group."""
+    from course_lib.backend import default_dist
+
+    real = default_dist()
+    group = real.new_group(list(range(k)))  # every rank must create it, members or not
+    if real.get_rank() >= k:
+        return None
+    counting = LateDist(real, group=group)
+    return body(counting, counting.get_rank(), fn, *args)
+
+
+def register_on_sub_worlds(name: str, notebook: str, **fields: Any) -> None:
+    """An exercise whose cases run on sub-worlds of the grader's 4-rank scratch cluster."""
+    register(Exercise(name=name, notebook=notebook, distributed=True, world_size=4, **fields))
+
+
+class LateDist(CountingDist):
+    """A counting dist whose async all_reduce and reduce_scatter write their output only in
+    `wait()`, as a real one may: code that reads the result before waiting is caught every
+    time. `log` lists each collective as (name, numel of its output, async_op)."""
+
+    def __init__(self, dist: Any, group: Any = None):
+        super().__init__(dist, group)
+        self.log: list[tuple[str, int, bool]] = []
+
+    def reset(self) -> None:
+        super().reset()
+        self.log.clear()
+
+    def all_reduce(self, tensor, *args, async_op=False, **kwargs):
+        self.log.append(("all_reduce", tensor.numel(), async_op))
+        if not async_op:
+            return super().all_reduce(tensor, *args, **kwargs)
+        landed = tensor.clone()
+        super().all_reduce(landed, *args, **kwargs)
+        return _Landing(tensor, landed)
+
+    def reduce_scatter(self, output, input_list, *args, async_op=False, **kwargs):
+        self.log.append(("reduce_scatter", output.numel(), async_op))
+        if not async_op:
+            return super().reduce_scatter(output, input_list, *args, **kwargs)
+        landed = torch.empty_like(output)
+        super().reduce_scatter(landed, input_list, *args, **kwargs)
+        return _Landing(output, landed)
+
+
+class _Landing:
+    """The work of a LateDist collective: the result lands when it is waited for."""
+
+    def __init__(self, output: torch.Tensor, landed: torch.Tensor):
+        self.output, self.landed, self.done = output, landed, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            self.output.copy_(self.landed)
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
