@@ -72,12 +72,17 @@ def main(argv: list[str]) -> int:
         return run(BIN / "jupyter", "lab", "--ServerApp.root_dir=notebooks", *root, *rest)
     if command == "test":
         start = time.monotonic()
+        paths = [a for a in rest if not a.startswith("-") and Path(a.split("::")[0]).exists()]
         if "--quick" in rest:
             rest.remove("--quick")
-            what = ("tests", "-m", "not cluster and not slow")
+            what = ("-m", "not cluster and not slow") + (() if paths else ("tests",))
         else:
-            what = ("tests", "solutions", "--nbval")
-        code = run(PY, "-m", "pytest", *what, *rest, env=env)
+            what = ("--nbval",) + (() if paths else ("tests", "solutions"))
+        # The whole suite on two workers (the two cores CI and the budget assume); a file's tests
+        # stay on one worker, in order, so a notebook's cells and a module's fixtures stay together.
+        workers = () if paths or any(a.startswith("-n") for a in rest) else (
+            "-n", "2", "--dist", "loadfile")
+        code = run(PY, "-m", "pytest", *what, *workers, *rest, env=env)
         minutes, seconds = divmod(round(time.monotonic() - start), 60)
         print(f"course.py test: {minutes} min {seconds} s (budget on 2 cores: 15 min)", flush=True)
         return code
