@@ -6,15 +6,28 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["accumulation_step", "saved_activation_bytes"]
+__all__ = ["no_sync", "accumulation_step", "saved_activation_bytes"]
 
 
-# %% solutions/05_grad_accumulation.ipynb, cell 12
+# %% solutions/05_grad_accumulation.ipynb, cell 10
+@contextlib.contextmanager
+def no_sync(ddp: nn.Module) -> Iterator[None]:
+    """`ddp.no_sync()`: backward passes of forwards run inside the block only accumulate
+    gradients locally; the first synchronized backward after it reduces their sum."""
+    previous = ddp.require_backward_grad_sync
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = previous
+
+
+# %% solutions/05_grad_accumulation.ipynb, cell 16
 def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -42,7 +55,7 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return total
 
 
-# %% solutions/05_grad_accumulation.ipynb, cell 18
+# %% solutions/05_grad_accumulation.ipynb, cell 22
 def saved_activation_bytes(model: nn.Module, *inputs: Any) -> int:
     """Bytes autograd keeps for backward during one forward of `model`: the memory a bigger
     batch costs, and what micro-batches save. Parameters (saved by reference) are not counted."""

@@ -23,7 +23,7 @@ MiB = 1024 * 1024
 __all__ = ["MiB", "grads_of", "flatten_into", "unflatten_to_grads", "broadcast_coalesced",
     "allreduce_grads_per_param", "allreduce_grads_flat", "make_buckets", "allreduce_grads_bucketed",
     "buckets_to_launch", "is_view_of", "stage_grad", "check_same_tensors",
-    "DistributedDataParallel"]
+    "DistributedDataParallel", "launch_bucket", "on_grad_ready", "finish_backward"]
 
 
 # %% solutions/04_data_parallel.ipynb, cell 9
@@ -95,7 +95,7 @@ def allreduce_grads_flat(params: Sequence[torch.Tensor], *, dist: Any = None,
     unflatten_to_grads(flat.div_(dist.get_world_size(group)), params)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 23
+# %% solutions/04_data_parallel.ipynb, cell 24
 def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
                  first_bucket_cap_mb: float | None = 1.0) -> list[list[torch.Tensor]]:
     """Group parameters into buckets in reverse registration order (the order backward
@@ -120,7 +120,7 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
     return buckets
 
 
-# %% solutions/04_data_parallel.ipynb, cell 24
+# %% solutions/04_data_parallel.ipynb, cell 25
 def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0, *,
                              dist: Any = None, group: Any = None) -> None:
     """Average gradients bucket by bucket, after backward (medium messages, still no overlap)."""
@@ -128,7 +128,7 @@ def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: floa
         allreduce_grads_flat(bucket, dist=dist, group=group)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 28
+# %% solutions/04_data_parallel.ipynb, cell 29
 def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     """The buckets that may start now: the run of complete buckets from `next_bucket` on.
     Launching strictly in bucket order makes every rank issue the same collectives in order."""
@@ -138,7 +138,7 @@ def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     return list(range(next_bucket, end))
 
 
-# %% solutions/04_data_parallel.ipynb, cell 31
+# %% solutions/04_data_parallel.ipynb, cell 32
 def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether `grad` is `view` itself (same memory, shape and strides), not a copy of it."""
     return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
@@ -196,10 +196,25 @@ class _Bucket:
                       zip(self.flat[:self.numel].split([p.numel() for p in params]), params)]
         self.ready: set[int] = set()
         self.work: Any = None
-        self.launched_at = 0.0
+        self.launched_at = self.collected_at = 0.0
 
 
-# %% solutions/04_data_parallel.ipynb, cell 32
+class _TimedWork:
+    """A bucket's Work that notes when its result was collected, for the timeline."""
+
+    def __init__(self, work: Any, bucket: _Bucket):
+        if not callable(getattr(work, "wait", None)):
+            raise TypeError("launch_bucket must return the Work of its all_reduce "
+                            f"(dist.all_reduce(..., async_op=True)), got {type(work).__name__}")
+        self.work, self.bucket = work, bucket
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.bucket.collected_at = time.perf_counter()
+        return True
+
+
+# %% solutions/04_data_parallel.ipynb, cell 33
 class DistributedDataParallel(nn.Module):
     """Wraps `module` so that `loss.backward()` leaves the gradients averaged over all ranks.
 
@@ -224,126 +239,146 @@ class DistributedDataParallel(nn.Module):
         self.src = global_rank(self.dist, group, 0)  # the group's first rank
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True
+        self.require_backward_grad_sync = True  # what no_sync() turns off
         self._sync_buffers_next_forward = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DistributedDataParallel: the module has no parameter that "
                              "requires grad")
-        self._names = {id(p): n for n, p in named}
+        self.names = {id(p): n for n, p in named}
         self._buffers_to_sync = [b for b in module.buffers()]
         self.buckets = [_Bucket(b, find_unused_parameters)
                         for b in make_buckets([p for _, p in named], bucket_cap_mb,
                                               first_bucket_cap_mb)]
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
                            group=group, extra=(len(self.buckets), sum(
                                (i + 1) * b.numel for i, b in enumerate(self.buckets))))
         broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffers_to_sync,
                             self.src, dist=self.dist, group=group)
-        self._expect_hooks = False
-        self._in_backward = False
-        self._next_bucket = 0
+        self.expect_hooks = False
+        self.in_backward = False
+        self.next_bucket = 0
         self.timeline: list[tuple[str, float, float]] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                         for _, p in named]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_backward:
+        if self.in_backward:
             raise RuntimeError("DistributedDataParallel: the previous backward did not finish "
                                "its gradient reduction (did it raise?); rebuild the wrapper")
         start = time.perf_counter()
         if self._sync_buffers_next_forward and self.broadcast_buffers and self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, self.src, dist=self.dist, group=self.group)
-        self._expect_hooks = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._sync_buffers_next_forward = self._expect_hooks
-        if self._expect_hooks:
+        # Decided here, as in torch: a forward inside no_sync() makes a backward that only
+        # accumulates, wherever that backward runs.
+        self.expect_hooks = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._sync_buffers_next_forward = self.expect_hooks
+        if self.expect_hooks:
             self.timeline = []
         out = self.module(*args, **kwargs)
-        if self._expect_hooks:
+        if self.expect_hooks:
             self.timeline.append(("forward", start, time.perf_counter()))
         return out
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes of forwards run inside this block only accumulate local gradients."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes of forwards run inside this block only accumulate local gradients
+        (built in lesson 05: course_lib.accumulation.no_sync)."""
+        from course_lib.accumulation import no_sync
+        return no_sync(self)
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._expect_hooks:
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.expect_hooks:
             return
-        if not self._in_backward:
-            self._in_backward = True
-            self._next_bucket = 0
+        if not self.in_backward:
+            self._backward_start = time.perf_counter()
+        self.grad_ready(p)
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        on_grad_ready(self, p)
+
+    def launch(self, bucket: _Bucket) -> None:
+        """Start `bucket`'s all_reduce now (`start_all_reduce`), keeping its work."""
+        bucket.launched_at = time.perf_counter()
+        bucket.work = _TimedWork(self.start_all_reduce(bucket), bucket)
+
+    def start_all_reduce(self, bucket: _Bucket) -> Any:
+        return launch_bucket(self, bucket)
+
+    def end_of_backward(self) -> None:
+        """Queued by the first hook: autograd calls it once backward is over."""
+        end = time.perf_counter()
+        try:
+            self.finish()
+        finally:
+            self.in_backward, self.next_bucket = False, 0
             for b in self.buckets:
                 b.ready.clear()
-            self._backward_start = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        bucket = self.buckets[self._bucket_of[id(p)]]
-        if id(p) in bucket.ready:
-            raise RuntimeError(f"DistributedDataParallel: parameter {self._names[id(p)]!r} got "
-                               "its gradient twice in one backward (reentrant backward or "
-                               "checkpointing is not supported)")
-        bucket.ready.add(id(p))
-        # Into the bucket now, while the gradient is hot in cache; the fresh tensor autograd
-        # made is freed at once, so the next layer's gradient reuses its memory.
-        view = self._view_of[id(p)]
-        with torch.no_grad():
-            stage_grad(p.grad, view, self.world_size)
-        p.grad = view
-        complete = [len(b.ready) == len(b.params) for b in self.buckets]
-        for i in buckets_to_launch(self._next_bucket, complete):
-            self._launch(self.buckets[i])
-            self._next_bucket = i + 1
+        self.timeline += [("backward", self._backward_start, end)]
+        self.timeline += [(f"bucket {i}", b.launched_at, b.collected_at)
+                          for i, b in enumerate(self.buckets)]
+        self.timeline += [("wait", end, time.perf_counter())]
 
-    def _launch(self, bucket: _Bucket) -> None:
-        with torch.no_grad():
-            for p, view in zip(bucket.params, bucket.views):
-                if id(p) not in bucket.ready:  # got no gradient (find_unused_parameters)
-                    stage_grad(p.grad, view, self.world_size)
-            if self.find_unused_parameters:
-                bucket.flat[bucket.numel:] = torch.tensor(
-                    [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
-        bucket.launched_at = time.perf_counter()
-        bucket.work = self.dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-
-    def _finish(self) -> None:
-        """End of backward: launch what is left, wait for every bucket, write the averages."""
-        end_of_backward = time.perf_counter()
-        self.timeline.append(("backward", self._backward_start, end_of_backward))
-        try:
-            missing = [self._names[id(p)] for b in self.buckets[self._next_bucket:]
-                       for p in b.params if id(p) not in b.ready]
-            if missing and not self.find_unused_parameters:
-                raise RuntimeError(
-                    f"DistributedDataParallel: rank {self.dist.get_rank()}: parameters "
-                    f"{missing} got no gradient in this backward; pass "
-                    "find_unused_parameters=True if the model skips them on purpose")
-            for b in self.buckets[self._next_bucket:]:
-                self._launch(b)
-            self._next_bucket = len(self.buckets)
-            for i, b in enumerate(self.buckets):
-                b.work.wait()
-                self.timeline.append((f"bucket {i}", b.launched_at, time.perf_counter()))
-                self._write_back(b)
-            self.timeline.append(("wait", end_of_backward, time.perf_counter()))
-        finally:
-            self._in_backward = False
-
-    def _write_back(self, bucket: _Bucket) -> None:
-        """Each parameter's .grad becomes its averaged slice of the bucket (no copy)."""
-        users = (bucket.flat[bucket.numel:].tolist() if self.find_unused_parameters
-                 else [1] * len(bucket.params))
-        for p, view, n_users in zip(bucket.params, bucket.views, users):
-            if n_users > 0:  # else no rank used it: .grad stays as it was, as in torch
-                p.grad = view
+    def finish(self) -> None:
+        finish_backward(self)
 
     def exposed_comm_seconds(self) -> float:
         """How long the last synchronized backward waited for communication after it ended."""
         return sum(end - start for name, start, end in self.timeline if name == "wait")
+
+
+# %% solutions/04_data_parallel.ipynb, cell 35
+def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
+    """Start `bucket`'s asynchronous all_reduce of its whole flat buffer; return its Work."""
+    with torch.no_grad():
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready:  # got no gradient (find_unused_parameters)
+                stage_grad(p.grad, view, ddp.world_size)
+        if ddp.find_unused_parameters:
+            bucket.flat[bucket.numel:] = torch.tensor(
+                [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
+    return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
+
+
+# %% solutions/04_data_parallel.ipynb, cell 38
+def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
+    """The hook: `p`'s gradient is ready; stage it in its bucket, launch what may start now."""
+    if not ddp.in_backward:
+        ddp.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(ddp.end_of_backward)
+    bucket = ddp.bucket_of[id(p)]
+    if id(p) in bucket.ready:
+        raise RuntimeError(f"DistributedDataParallel: parameter {ddp.names[id(p)]!r} got its "
+                           "gradient twice in one backward (reentrant backward or "
+                           "checkpointing is not supported)")
+    bucket.ready.add(id(p))
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.world_size)
+    p.grad = view
+    complete = [len(b.ready) == len(b.params) for b in ddp.buckets]
+    for i in buckets_to_launch(ddp.next_bucket, complete):
+        ddp.launch(ddp.buckets[i])
+        ddp.next_bucket = i + 1
+
+
+# %% solutions/04_data_parallel.ipynb, cell 41
+def finish_backward(ddp: "DistributedDataParallel") -> None:
+    """End of backward: launch the buckets left, wait for all, leave every .grad averaged."""
+    missing = [ddp.names[id(p)] for b in ddp.buckets[ddp.next_bucket:]
+               for p in b.params if id(p) not in b.ready]
+    if missing and not ddp.find_unused_parameters:
+        raise RuntimeError(
+            f"DistributedDataParallel: rank {ddp.dist.get_rank()}: parameters {missing} got no "
+            "gradient in this backward; pass find_unused_parameters=True if the model skips "
+            "them on purpose")
+    for b in ddp.buckets[ddp.next_bucket:]:
+        ddp.launch(b)
+    ddp.next_bucket = len(ddp.buckets)
+    for b in ddp.buckets:
+        b.work.wait()
+        users = (b.flat[b.numel:].tolist() if ddp.find_unused_parameters
+                 else [1] * len(b.params))
+        for p, view, n_users in zip(b.params, b.views, users):
+            if n_users > 0:  # else no rank used it: .grad stays as it was, as in torch
+                p.grad = view

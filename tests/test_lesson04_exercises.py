@@ -1,5 +1,6 @@
-"""Lesson 04's exercises: bucket launch order and the flat all_reduce; the solutions score full
-points, realistic wrong versions less (the distributed one on a 2-rank gloo cluster)."""
+"""Lesson 04's exercises: bucket launch order, the flat all_reduce, and the DDP core (launch,
+hook, end of backward); the solutions score full points, realistic wrong versions less (the
+distributed ones on 2, 3 and 4 ranks of a 4-rank scratch cluster)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from conftest import full, less
 from course_lib.backend import default_dist
-from course_lib.ddp import (allreduce_grads_flat, buckets_to_launch, flatten_into,
+from course_lib.ddp import (allreduce_grads_flat, buckets_to_launch, finish_backward,
+                            flatten_into, launch_bucket, on_grad_ready, stage_grad,
                             unflatten_to_grads)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
@@ -57,8 +59,194 @@ def divide_by_param_count(params, *, dist=None, group=None):
     unflatten_to_grads(flat / len(params), params)
 
 
+def per_parameter(params, *, dist=None, group=None):
+    """Right averages, wrong communication: one all_reduce per parameter (P latencies)."""
+    dist = default_dist(dist)
+    for p in params:
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= dist.get_world_size(group)
+
+
 @pytest.mark.cluster
-def test_flat_all_reduce_solution_and_mistakes(gloo_cluster_2):
-    full("lesson04.allreduce_grads_flat", allreduce_grads_flat, gloo_cluster_2)
-    for wrong in (sum_not_average, never_copied_back, divide_by_param_count):
-        less("lesson04.allreduce_grads_flat", wrong, gloo_cluster_2)
+def test_flat_all_reduce_solution_and_mistakes(scratch_cluster_4):
+    full("lesson04.allreduce_grads_flat", allreduce_grads_flat, scratch_cluster_4)
+    for wrong in (sum_not_average, never_copied_back, divide_by_param_count, per_parameter):
+        less("lesson04.allreduce_grads_flat", wrong, scratch_cluster_4)
+
+
+# lesson04.launch_bucket, on_grad_ready, finish_backward ----------------------------------------
+# Each trains the library's DDP with the function swapped in, on the first 2, 3 and 4 ranks.
+
+def blocking_launch(ddp, bucket):
+    """Right numbers, wrong communication: the all_reduce blocks the backward pass."""
+    launch_bucket_without_return(ddp, bucket)
+    return _Done()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def launch_bucket_without_return(ddp, bucket):
+    with torch.no_grad():
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready:
+                stage_grad(p.grad, view, ddp.world_size)
+        if ddp.find_unused_parameters:
+            bucket.flat[bucket.numel:] = torch.tensor(
+                [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
+    ddp.dist.all_reduce(bucket.flat, group=ddp.group)
+
+
+def one_all_reduce_per_parameter(ddp, bucket):
+    """Averages right, but one message per parameter; returns only the last one's work."""
+    with torch.no_grad():
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready:
+                stage_grad(p.grad, view, ddp.world_size)
+    works = [ddp.dist.all_reduce(v, group=ddp.group, async_op=True) for v in bucket.views]
+    return works[-1]
+
+
+def flags_left_out(ddp, bucket):
+    """Reduces only the gradients: with find_unused_parameters nobody learns who used what."""
+    with torch.no_grad():
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready:
+                stage_grad(p.grad, view, ddp.world_size)
+    return ddp.dist.all_reduce(bucket.flat[:bucket.numel], group=ddp.group, async_op=True)
+
+
+def stale_slice_for_unused(ddp, bucket):
+    """Never stages a parameter that got no gradient: its slice still holds the last step's."""
+    if ddp.find_unused_parameters:
+        bucket.flat[bucket.numel:] = torch.tensor(
+            [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
+    return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
+
+
+@pytest.mark.cluster
+def test_launch_bucket_solution_and_mistakes(scratch_cluster_4):
+    full("lesson04.launch_bucket", launch_bucket, scratch_cluster_4)
+    for wrong in (launch_bucket_without_return, blocking_launch, one_all_reduce_per_parameter,
+                  flags_left_out, stale_slice_for_unused):
+        less("lesson04.launch_bucket", wrong, scratch_cluster_4)
+
+
+def _start(ddp, p):
+    if not ddp.in_backward:
+        ddp.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(ddp.end_of_backward)
+    bucket = ddp.bucket_of[id(p)]
+    bucket.ready.add(id(p))
+    return bucket
+
+
+def launch_when_complete(ddp, p):
+    """Launches each bucket the moment it completes: out of bucket order when gradients arrive
+    out of order (here the last bucket completes first), so ranks could pair the wrong ones."""
+    bucket = _start(ddp, p)
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.world_size)
+    p.grad = view
+    if len(bucket.ready) == len(bucket.params):
+        ddp.launch(bucket)
+        ddp.next_bucket = max(ddp.next_bucket, ddp.buckets.index(bucket) + 1)
+
+
+def summed_not_averaged(ddp, p):
+    _start(ddp, p)
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        view.copy_(p.grad)
+    p.grad = view
+    complete = [len(b.ready) == len(b.params) for b in ddp.buckets]
+    for i in buckets_to_launch(ddp.next_bucket, complete):
+        ddp.launch(ddp.buckets[i])
+        ddp.next_bucket = i + 1
+
+
+def never_launches_from_hooks(ddp, p):
+    """Stages every gradient but leaves all buckets to the end of backward: no overlap."""
+    _start(ddp, p)
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.world_size)
+    p.grad = view
+
+
+def no_callback(ddp, p):
+    """Forgets to queue the end of backward: nobody waits, the averages never land."""
+    bucket = ddp.bucket_of[id(p)]
+    bucket.ready.add(id(p))
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.world_size)
+    p.grad = view
+    complete = [len(b.ready) == len(b.params) for b in ddp.buckets]
+    for i in buckets_to_launch(ddp.next_bucket, complete):
+        ddp.launch(ddp.buckets[i])
+        ddp.next_bucket = i + 1
+
+
+@pytest.mark.cluster
+def test_on_grad_ready_solution_and_mistakes(scratch_cluster_4):
+    full("lesson04.on_grad_ready", on_grad_ready, scratch_cluster_4)
+    for wrong in (launch_when_complete, summed_not_averaged, never_launches_from_hooks,
+                  no_callback):
+        less("lesson04.on_grad_ready", wrong, scratch_cluster_4)
+
+
+def _launch_rest(ddp):
+    for b in ddp.buckets[ddp.next_bucket:]:
+        ddp.launch(b)
+    ddp.next_bucket = len(ddp.buckets)
+
+
+def no_wait(ddp):
+    """Writes the views back without waiting: the sums have not landed yet."""
+    _launch_rest(ddp)
+    for b in ddp.buckets:
+        for p, view in zip(b.params, b.views):
+            p.grad = view
+
+
+def ignores_flags(ddp):
+    """Gives every parameter its slice, even one no rank used (torch keeps its .grad)."""
+    _launch_rest(ddp)
+    for b in ddp.buckets:
+        b.work.wait()
+        for p, view in zip(b.params, b.views):
+            p.grad = view
+
+
+def silent_about_unused(ddp):
+    """Never raises for a parameter that got no gradient without find_unused_parameters."""
+    _launch_rest(ddp)
+    for b in ddp.buckets:
+        b.work.wait()
+        users = b.flat[b.numel:].tolist() if ddp.find_unused_parameters else [1] * len(b.params)
+        for p, view, n in zip(b.params, b.views, users):
+            if n > 0:
+                p.grad = view
+
+
+def only_first_rank_users(ddp):
+    """Keeps a slice only if every rank used the parameter (count == world size)."""
+    _launch_rest(ddp)
+    for b in ddp.buckets:
+        b.work.wait()
+        users = (b.flat[b.numel:].tolist() if ddp.find_unused_parameters
+                 else [ddp.world_size] * len(b.params))
+        for p, view, n in zip(b.params, b.views, users):
+            if n == ddp.world_size:
+                p.grad = view
+
+
+@pytest.mark.cluster
+def test_finish_backward_solution_and_mistakes(scratch_cluster_4):
+    full("lesson04.finish_backward", finish_backward, scratch_cluster_4)
+    for wrong in (no_wait, ignores_flags, silent_about_unused, only_first_rank_users):
+        less("lesson04.finish_backward", wrong, scratch_cluster_4)
