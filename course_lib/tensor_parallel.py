@@ -22,7 +22,8 @@ from course_lib.backend import default_dist, global_rank
 
 __all__ = ["divide", "shard", "CopyToParallel", "copy_to_parallel", "ReduceFromParallel",
     "reduce_from_parallel", "GatherFromParallel", "gather_from_parallel", "ColumnParallelLinear",
-    "RowParallelLinear", "TensorParallelMLP", "TensorParallelAttention"]
+    "RowParallelLinear", "column_parallel_forward", "row_parallel_forward", "TensorParallelMLP",
+    "TensorParallelAttention"]
 
 
 # %% solutions/06_tensor_parallel.ipynb, cell 6
@@ -69,7 +70,7 @@ def copy_to_parallel(x: torch.Tensor, dist: Any = None, group: Any = None) -> to
     return CopyToParallel.apply(x, default_dist(dist), group)
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 13
+# %% solutions/06_tensor_parallel.ipynb, cell 14
 class ReduceFromParallel(torch.autograd.Function):
     """`g`: all-reduce forward (sum the partial outputs); identity backward."""
 
@@ -108,7 +109,7 @@ def gather_from_parallel(x: torch.Tensor, dist: Any = None, group: Any = None) -
     return GatherFromParallel.apply(x, default_dist(dist), group)
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 16
+# %% solutions/06_tensor_parallel.ipynb, cell 17
 class _ParallelLinear(nn.Module):
     """Shared set-up: the group, its size and rank, and this rank's slice of one full
     nn.Linear initialization (rows for column-parallel, `dim=0`; columns for row-parallel,
@@ -192,8 +193,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel(x, self.dist, self.group), self.weight, self.bias)
-        return gather_from_parallel(y, self.dist, self.group) if self.gather_output else y
+        return column_parallel_forward(self, x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, gather_output: bool = False, dist: Any = None,
@@ -224,11 +224,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = copy_to_parallel(x, self.dist, self.group)
-            x = x.chunk(self.world_size, dim=-1)[self.rank]
-        y = reduce_from_parallel(F.linear(x, self.weight), self.dist, self.group)
-        return y + self.bias if self.bias is not None else y
+        return row_parallel_forward(self, x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, input_is_parallel: bool = True, dist: Any = None,
@@ -237,7 +233,24 @@ class RowParallelLinear(_ParallelLinear):
         return cls._sliced(linear, input_is_parallel=input_is_parallel, dist=dist, group=group)
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 20
+# %% solutions/06_tensor_parallel.ipynb, cell 19
+def column_parallel_forward(layer: "ColumnParallelLinear", x: torch.Tensor) -> torch.Tensor:
+    """x (whole) -> this rank's slice of the output features, or all of them, gathered."""
+    y = F.linear(copy_to_parallel(x, layer.dist, layer.group), layer.weight, layer.bias)
+    return gather_from_parallel(y, layer.dist, layer.group) if layer.gather_output else y
+
+
+# %% solutions/06_tensor_parallel.ipynb, cell 22
+def row_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the input features (or the whole x) -> the whole output."""
+    if not layer.input_is_parallel:
+        x = copy_to_parallel(x, layer.dist, layer.group)
+        x = x.chunk(layer.world_size, dim=-1)[layer.rank]
+    y = reduce_from_parallel(F.linear(x, layer.weight), layer.dist, layer.group)
+    return y + layer.bias if layer.bias is not None else y
+
+
+# %% solutions/06_tensor_parallel.ipynb, cell 27
 class TensorParallelMLP(nn.Module):
     """fc2(act(fc1(x))) with fc1 column-parallel and fc2 row-parallel: one all-reduce forward,
     one backward, and each rank holds 1/p of both weight matrices."""
@@ -268,7 +281,7 @@ class TensorParallelMLP(nn.Module):
         return mlp
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 21
+# %% solutions/06_tensor_parallel.ipynb, cell 28
 class TensorParallelAttention(nn.Module):
     """Multi-head self-attention split by heads: each rank owns num_heads/p heads (its slice of
     the q, k, v projections, column-parallel) and the matching columns of the output projection

@@ -1,4 +1,5 @@
-"""Lesson 06's exercises: the solutions score full points, realistic wrong versions less."""
+"""Lesson 06's exercises: the solutions score full points, realistic wrong versions less (the
+distributed ones on 2, 3 and 4 ranks of a 4-rank scratch cluster, collectives counted)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import cloudpickle
 import pytest
 import torch
 
+import torch.nn.functional as F
+
+from conftest import full, less
 from course_lib.backend import default_dist
 from course_lib.grading import grade_function
-from course_lib.tensor_parallel import copy_to_parallel, divide, reduce_from_parallel, shard
+from course_lib.tensor_parallel import (column_parallel_forward, copy_to_parallel, divide,
+                                        gather_from_parallel, reduce_from_parallel,
+                                        row_parallel_forward, shard)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 
@@ -71,16 +77,119 @@ def _reduce_also_in_backward(x, dist=None, group=None):
     return _AllReduceBothWays.apply(x, dist, group)
 
 
+def _in_place_sum(x, dist=None, group=None):
+    """g that sums into its input: right output, but the caller's partial result is destroyed."""
+    class InPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dist, group):
+            dist.all_reduce(x.data, group=group)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None
+    return InPlace.apply(x, default_dist(dist), group)
+
+
+class _GatherWholeGrad(torch.autograd.Function):
+    """Gathers right, but hands every rank the whole gradient back (wrong shape: autograd
+    refuses it) - or, if sliced from the wrong end, another rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, dist, group):
+        ctx.rank, ctx.world = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.world, dim=-1)[ctx.world - 1 - ctx.rank].contiguous(), None, None
+
+
+def _gather_reversed_slice(x, dist=None, group=None):
+    return _GatherWholeGrad.apply(x, default_dist(dist), group)
+
+
+def _gather_by_all_reduce(x, dist=None, group=None):
+    """The whole output from an all_reduce of a zero-padded copy: right values and gradients,
+    p times the bytes of an all_gather."""
+    dist = default_dist(dist)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = x.shape[-1]
+
+    class Padded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dist, group):
+            out = x.new_zeros(*x.shape[:-1], n * world)
+            out[..., rank * n:(rank + 1) * n] = x
+            dist.all_reduce(out, group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad[..., rank * n:(rank + 1) * n].contiguous(), None, None
+    return Padded.apply(x, dist, group)
+
+
 @pytest.mark.cluster
-def test_f_and_g_exercises_catch_misplaced_all_reduce(gloo_cluster_2):
-    cluster = gloo_cluster_2
-    assert grade_function("lesson06.copy_to_parallel", copy_to_parallel, cluster).points == 2
-    assert grade_function("lesson06.reduce_from_parallel", reduce_from_parallel,
-                          cluster).points == 2
-    missing = grade_function("lesson06.copy_to_parallel", _copy_missing_all_reduce, cluster)
+def test_f_g_and_gather_catch_misplaced_communication(scratch_cluster_4):
+    c = scratch_cluster_4
+    full("lesson06.copy_to_parallel", copy_to_parallel, c)
+    full("lesson06.reduce_from_parallel", reduce_from_parallel, c)
+    full("lesson06.gather_from_parallel", gather_from_parallel, c)
+    missing = less("lesson06.copy_to_parallel", _copy_missing_all_reduce, c)
     assert missing.points == 0, missing.reason
     # g used where f belongs: the forward already sums, so the values are wrong too.
-    swapped = grade_function("lesson06.copy_to_parallel", _reduce_also_in_backward, cluster)
-    assert swapped.points == 0, swapped.reason
-    twice = grade_function("lesson06.reduce_from_parallel", _reduce_also_in_backward, cluster)
-    assert twice.points == 0 and "grad" in twice.reason, twice.reason
+    assert less("lesson06.copy_to_parallel", _reduce_also_in_backward, c).points == 0
+    twice = less("lesson06.reduce_from_parallel", _reduce_also_in_backward, c)
+    assert twice.points == 0 and "backward collectives" in twice.reason, twice.reason
+    less("lesson06.reduce_from_parallel", _in_place_sum, c)
+    less("lesson06.gather_from_parallel", _gather_reversed_slice, c)
+    less("lesson06.gather_from_parallel", _gather_by_all_reduce, c)
+
+
+def _column_without_f(layer, x):
+    """Forgets f: the output is right, dL/dx holds only this rank's shard's part."""
+    y = F.linear(x, layer.weight, layer.bias)
+    return gather_from_parallel(y, layer.dist, layer.group) if layer.gather_output else y
+
+
+def _column_never_gathers(layer, x):
+    return F.linear(copy_to_parallel(x, layer.dist, layer.group), layer.weight, layer.bias)
+
+
+def _row_bias_before_sum(layer, x):
+    """Adds the bias to each partial result: the sum holds it world_size times."""
+    if not layer.input_is_parallel:
+        x = copy_to_parallel(x, layer.dist, layer.group)
+        x = x.chunk(layer.world_size, dim=-1)[layer.rank]
+    return reduce_from_parallel(F.linear(x, layer.weight, layer.bias), layer.dist, layer.group)
+
+
+def _row_slice_without_f(layer, x):
+    """Slices the whole input without f: dL/dx is right only in this rank's own chunk."""
+    if not layer.input_is_parallel:
+        x = x.chunk(layer.world_size, dim=-1)[layer.rank]
+    y = reduce_from_parallel(F.linear(x, layer.weight), layer.dist, layer.group)
+    return y + layer.bias
+
+
+def _row_split_in_half(layer, x):
+    """Takes the first or second half of the input, as on 2 ranks, whatever the world size."""
+    if not layer.input_is_parallel:
+        x = copy_to_parallel(x, layer.dist, layer.group)
+        x = x.chunk(2, dim=-1)[layer.rank % 2]
+    y = reduce_from_parallel(F.linear(x, layer.weight), layer.dist, layer.group)
+    return y + layer.bias
+
+
+@pytest.mark.cluster
+def test_layer_forwards_solution_and_mistakes(scratch_cluster_4):
+    c = scratch_cluster_4
+    full("lesson06.column_parallel_forward", column_parallel_forward, c)
+    full("lesson06.row_parallel_forward", row_parallel_forward, c)
+    for wrong in (_column_without_f, _column_never_gathers):
+        less("lesson06.column_parallel_forward", wrong, c)
+    for wrong in (_row_bias_before_sum, _row_slice_without_f, _row_split_in_half):
+        less("lesson06.row_parallel_forward", wrong, c)

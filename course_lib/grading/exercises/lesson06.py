@@ -1,13 +1,18 @@
-"""Lesson 06 (tensor parallel): the right shard of a weight; the f and g autograd pair."""
+"""Lesson 06 (tensor parallel): the right shard of a weight; f, g and the all-gather, forward and
+backward; the column- and row-parallel layers' forward passes. The distributed checks run on 2,
+3 and 4 ranks and count the collectives of each pass: where the communication goes is the
+lesson's point (an all_reduce in the wrong pass often gives wrong gradients only upstream)."""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
 
 
 def _matrix(rows: int, cols: int):
-    import torch
-
     return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
 
 
@@ -36,74 +41,210 @@ register(Exercise(
 ))
 
 
-def _f_data(world_size: int, seed: int):
-    """x (same on every rank, as the input of a column-parallel layer) and one weight per rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
-    return x, [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(world_size)]
 
 
-def copy_harness(fn, rank: int, world_size: int, seed: int) -> dict:
-    """y = fn(x); each rank's loss uses its own weight, like its shard of a column-parallel
-    layer; the gradient of the shared x must be the sum over ranks."""
-    x, weights = _f_data(world_size, seed)
-    x.requires_grad_()
-    y = fn(x)
-    (y * weights[rank]).sum().backward()
-    return {"forward": y.detach(), "grad": x.grad}
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _copy_reference(rank: int, world_size: int, seed: int) -> dict:
-    x, weights = _f_data(world_size, seed)
-    return {"forward": x, "grad": sum(weights)}
+def _passes(dist, forward, loss) -> dict:
+    """Run `forward()`, then `loss(output).backward()`; the output and each pass's collectives."""
+    dist.reset()
+    y = forward()
+    calls = {"forward collectives": dict(dist.calls)}
+    dist.reset()
+    loss(y).backward()
+    calls["backward collectives"] = dict(dist.calls)
+    return {"output": y.detach(), **calls}
 
 
-register(Exercise(
-    name="lesson06.copy_to_parallel",
-    notebook="06_tensor_parallel",
-    params=("x", "dist", "group"),
-    cases=[case(RANK, WORLD_SIZE, 0, label="x used by every rank's shard"),
-           case(RANK, WORLD_SIZE, 1, label="another x")],
-    reference=_copy_reference,
-    harness=copy_harness,
-    distributed=True,
-    world_size=2,
-    backend="gloo",
-    points=2,
-    hint=("f is the identity forward. Backward, every rank holds only its shard's part of "
-          "dL/dx: all_reduce (SUM) the gradient so each rank gets the whole of it."),
-))
+def _on_sub_worlds(body):
+    def harness(fn, rank: int, world_size: int, k: int, *args):
+        return on_first_ranks(k, body, fn, *args)
+    return harness
 
 
-def reduce_harness(fn, rank: int, world_size: int, seed: int) -> dict:
-    """y = fn(x_rank), with a different partial result on each rank; one loss on the sum."""
-    x, weights = _f_data(world_size, seed)
-    part = (x * (rank + 1)).requires_grad_()
-    y = fn(part)
-    (y * weights[0]).sum().backward()
-    return {"forward": y.detach(), "grad": part.grad}
+def _register_06(name: str, cases: list, reference, harness, hint: str, params: tuple) -> None:
+    register_on_sub_worlds(name, "06_tensor_parallel", params=params, cases=cases,
+                           reference=reference, harness=harness, points=2, rtol=1e-10,
+                           atol=1e-12, hint=hint)
 
 
-def _reduce_reference(rank: int, world_size: int, seed: int) -> dict:
-    x, weights = _f_data(world_size, seed)
-    return {"forward": sum(x * (r + 1) for r in range(world_size)), "grad": weights[0]}
+_FG_CASES = [case(RANK, WORLD_SIZE, k, seed, label=f"{k} ranks") for k, seed in
+             ((2, 0), (3, 1), (4, 2))]
 
 
-register(Exercise(
-    name="lesson06.reduce_from_parallel",
-    notebook="06_tensor_parallel",
-    params=("x", "dist", "group"),
-    cases=[case(RANK, WORLD_SIZE, 0, label="partial sums"),
-           case(RANK, WORLD_SIZE, 2, label="other partial sums")],
-    reference=_reduce_reference,
-    harness=reduce_harness,
-    distributed=True,
-    world_size=2,
-    backend="gloo",
-    points=2,
-    hint=("g sums the partial outputs forward (all_reduce into a copy: do not change the "
-          "input in place). Backward, the output is the same on every rank, so each rank's "
-          "partial result gets the gradient unchanged: no communication."),
-))
+# --- lesson06.copy_to_parallel (f) -------------------------------------------------------------
+
+def _copy_body(dist, rank: int, fn, seed: int) -> dict:
+    """x is the same on every rank (a column-parallel layer's input); rank r's loss uses its own
+    weight, like its shard of the layer, so dL/dx is the sum over ranks."""
+    x = _randn(seed, 3, 4).requires_grad_()
+    out = _passes(dist, lambda: fn(x, dist, None),
+                  lambda y: (y * _randn(100 * seed + rank, 3, 4)).sum())
+    return {**out, "x.grad": x.grad}
+
+
+def _copy_reference(rank: int, world_size: int, k: int, seed: int):
+    if rank >= k:
+        return None
+    return {"output": _randn(seed, 3, 4), "forward collectives": {},
+            "backward collectives": {"all_reduce": 1},
+            "x.grad": sum(_randn(100 * seed + r, 3, 4) for r in range(k))}
+
+
+_register_06("lesson06.copy_to_parallel", _FG_CASES, _copy_reference, _on_sub_worlds(_copy_body),
+             "f is the identity forward (no communication). Backward, each rank holds only its "
+             "shard's part of dL/dx: all_reduce (SUM) the gradient, once, so each rank gets the "
+             "whole of it; return None for dist and group.", ("x", "dist", "group"))
+
+
+# --- lesson06.reduce_from_parallel (g) ---------------------------------------------------------
+
+def _reduce_body(dist, rank: int, fn, seed: int) -> dict:
+    """Each rank holds a different partial result; one loss on their sum, the same everywhere."""
+    part = (_randn(seed, 3, 4) * (rank + 1)).requires_grad_()
+    before = part.detach().clone()
+    out = _passes(dist, lambda: fn(part, dist, None), lambda y: (y * _randn(seed + 7, 3, 4)).sum())
+    return {**out, "partial.grad": part.grad, "input left as it was": torch.equal(part, before)}
+
+
+def _reduce_reference(rank: int, world_size: int, k: int, seed: int):
+    if rank >= k:
+        return None
+    return {"output": sum(_randn(seed, 3, 4) * (r + 1) for r in range(k)),
+            "forward collectives": {"all_reduce": 1}, "backward collectives": {},
+            "partial.grad": _randn(seed + 7, 3, 4), "input left as it was": True}
+
+
+_register_06("lesson06.reduce_from_parallel", _FG_CASES, _reduce_reference,
+             _on_sub_worlds(_reduce_body),
+             "g sums the partial outputs forward: one all_reduce into a copy (do not change the "
+             "input in place). Backward, the output is the same on every rank, so each partial "
+             "result gets the gradient unchanged: no communication.", ("x", "dist", "group"))
+
+
+# --- lesson06.gather_from_parallel -------------------------------------------------------------
+
+def _gather_body(dist, rank: int, fn, seed: int) -> dict:
+    """Rank r holds columns r*2..r*2+1 of the output; the loss uses the whole gathered output."""
+    k = dist.get_world_size()
+    part = _randn(seed, 3, 2 * k)[:, 2 * rank:2 * rank + 2].clone().requires_grad_()
+    out = _passes(dist, lambda: fn(part, dist, None),
+                  lambda y: (y * _randn(seed + 7, 3, 2 * k)).sum())
+    return {**out, "partial.grad": part.grad}
+
+
+def _gather_reference(rank: int, world_size: int, k: int, seed: int):
+    if rank >= k:
+        return None
+    return {"output": _randn(seed, 3, 2 * k), "forward collectives": {"all_gather": 1},
+            "backward collectives": {},
+            "partial.grad": _randn(seed + 7, 3, 2 * k)[:, 2 * rank:2 * rank + 2]}
+
+
+_register_06("lesson06.gather_from_parallel", _FG_CASES, _gather_reference,
+             _on_sub_worlds(_gather_body),
+             "Forward: one all_gather of the (contiguous) slice into world_size tensors, "
+             "concatenated along the last dimension in rank order. Backward: every rank computed "
+             "the same loss from the whole output, so keep only this rank's slice of the "
+             "gradient (grad.chunk(world, -1)[rank]): no communication.", ("x", "dist", "group"))
+
+
+# --- lesson06.column_parallel_forward and lesson06.row_parallel_forward ------------------------
+# The learner's function becomes the layer's forward; the layer holds its shard of one full
+# float64 nn.Linear, and everything is compared with that unsplit layer on one process.
+
+_B, _IN, _OUT = 3, 4, 6  # a multiple of 2 and 3; 4 ranks get in 4 / out 8 below
+
+
+def _dims(k: int) -> tuple[int, int]:
+    return (_IN, _OUT) if k < 4 else (_IN, 8)
+
+
+def _full(seed: int, n_in: int, n_out: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out).double()
+
+
+def _column_body(dist, rank: int, fn, seed: int, gather: bool) -> dict:
+    from course_lib.tensor_parallel import ColumnParallelLinear
+
+    k = dist.get_world_size()
+    n_in, n_out = _dims(k)
+    layer = ColumnParallelLinear.from_linear(_full(seed, n_in, n_out), gather_output=gather,
+                                             dist=dist)
+    layer.forward = lambda x: fn(layer, x)
+    x = _randn(seed + 1, _B, n_in).requires_grad_()
+    w = _randn(seed + 2, _B, n_out)
+    if not gather:  # this rank's output columns meet their part of the loss
+        w = w.chunk(k, dim=-1)[rank]
+    out = _passes(dist, lambda: layer(x), lambda y: (y * w).sum())
+    return {**out, "x.grad": x.grad, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad}
+
+
+def _column_reference(rank: int, world_size: int, k: int, seed: int, gather: bool):
+    if rank >= k:
+        return None
+    n_in, n_out = _dims(k)
+    full = _full(seed, n_in, n_out)
+    x = _randn(seed + 1, _B, n_in).requires_grad_()
+    y = full(x)
+    (y * _randn(seed + 2, _B, n_out)).sum().backward()
+    mine = lambda t, dim=0: t.chunk(k, dim=dim)[rank]  # noqa: E731
+    return {"output": y.detach() if gather else mine(y.detach(), -1),
+            "forward collectives": {"all_gather": 1} if gather else {},
+            "backward collectives": {"all_reduce": 1}, "x.grad": x.grad,
+            "weight.grad": mine(full.weight.grad), "bias.grad": mine(full.bias.grad)}
+
+
+_register_06(
+    "lesson06.column_parallel_forward",
+    [case(RANK, WORLD_SIZE, k, seed, gather, label=f"{k} ranks" + (", gather_output" if gather
+                                                                  else ""))
+     for k, seed, gather in ((2, 0, False), (3, 1, True), (4, 2, False), (4, 3, True))],
+    _column_reference, _on_sub_worlds(_column_body),
+    "f on the input (copy_to_parallel(x, layer.dist, layer.group)), then F.linear with this "
+    "rank's weight and bias rows; with layer.gather_output, gather_from_parallel the result.",
+    ("layer", "x"))
+
+
+def _row_body(dist, rank: int, fn, seed: int, parallel_input: bool) -> dict:
+    from course_lib.tensor_parallel import RowParallelLinear
+
+    k = dist.get_world_size()
+    n_out, n_in = _dims(k)  # split along the input: the larger dimension
+    layer = RowParallelLinear.from_linear(_full(seed, n_in, n_out),
+                                          input_is_parallel=parallel_input, dist=dist)
+    layer.forward = lambda x: fn(layer, x)
+    h = _randn(seed + 1, _B, n_in)
+    x = (h.chunk(k, dim=-1)[rank].clone() if parallel_input else h).requires_grad_()
+    out = _passes(dist, lambda: layer(x), lambda y: (y * _randn(seed + 2, _B, n_out)).sum())
+    return {**out, "x.grad": x.grad, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad}
+
+
+def _row_reference(rank: int, world_size: int, k: int, seed: int, parallel_input: bool):
+    if rank >= k:
+        return None
+    n_out, n_in = _dims(k)
+    full = _full(seed, n_in, n_out)
+    h = _randn(seed + 1, _B, n_in).requires_grad_()
+    y = full(h)
+    (y * _randn(seed + 2, _B, n_out)).sum().backward()
+    mine = lambda t: t.chunk(k, dim=-1)[rank]  # noqa: E731
+    return {"output": y.detach(), "forward collectives": {"all_reduce": 1},
+            "backward collectives": {} if parallel_input else {"all_reduce": 1},
+            "x.grad": mine(h.grad) if parallel_input else h.grad,
+            "weight.grad": mine(full.weight.grad), "bias.grad": full.bias.grad}
+
+
+_register_06(
+    "lesson06.row_parallel_forward",
+    [case(RANK, WORLD_SIZE, k, seed, par, label=f"{k} ranks" + ("" if par else
+                                                             ", whole input"))
+     for k, seed, par in ((2, 0, True), (3, 1, False), (4, 2, True), (3, 3, True))],
+    _row_reference, _on_sub_worlds(_row_body),
+    "Without layer.input_is_parallel, f on the whole input and keep this rank's chunk of its "
+    "last dimension. Then F.linear with this rank's weight columns and no bias, "
+    "reduce_from_parallel (g) to sum the partial results, and add the bias once, after the sum.",
+    ("layer", "x"))
