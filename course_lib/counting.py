@@ -45,7 +45,7 @@ class CountingDist:
 
     With `group` (a sub-group this process belongs to), `group=None` in every call means that
     group: `get_rank()` and `get_world_size()` answer for it, and src/dst ranks given as
-    global ranks stay global ranks, as in torch.
+    global ranks stay global ranks, as in torch. Point-to-point calls are counted too.
     """
 
     def __init__(self, dist: Any, group: Any = None):
@@ -101,6 +101,18 @@ class CountingDist:
 
     def scatter(self, tensor, *args, **kwargs):
         return self._call("scatter", _nbytes(tensor), (tensor, *args), kwargs)
+
+    def send(self, tensor, dst, *args, **kwargs):
+        return self._call("send", _nbytes(tensor), (tensor, dst, *args), kwargs)
+
+    def isend(self, tensor, dst, *args, **kwargs):
+        return self._call("isend", _nbytes(tensor), (tensor, dst, *args), kwargs)
+
+    def recv(self, tensor, *args, **kwargs):
+        return self._call("recv", _nbytes(tensor), (tensor, *args), kwargs)
+
+    def irecv(self, tensor, *args, **kwargs):
+        return self._call("irecv", _nbytes(tensor), (tensor, *args), kwargs)
 
     def barrier(self, *args, **kwargs):
         return self._call("barrier", 0, args, kwargs)

@@ -11,8 +11,9 @@ p micro-batches of activations instead of m. Both record what each stage did and
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -24,8 +25,9 @@ MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 
 __all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "MAX_DIMS", "DTYPES", "partition", "split_sequential",
-    "pipeline_grads", "PipelineStage", "Event", "PipelineSchedule", "gpipe_order",
-    "one_f_one_b_order", "ScheduleGPipe", "Schedule1F1B", "bubble_fractions", "ideal_bubble"]
+    "pipeline_grads", "PipelineStage", "Event", "PipelineSchedule", "forward_step", "backward_step",
+    "gpipe_order", "one_f_one_b_order", "ScheduleGPipe", "Schedule1F1B", "bubble_fractions",
+    "ideal_bubble"]
 
 
 # %% solutions/07_pipeline_parallel.ipynb, cell 7
@@ -237,12 +239,12 @@ class PipelineSchedule:
             raise ValueError("pass target on the last stage, and only there")
         if st.is_last and self.loss_fn is None:
             raise ValueError("the last stage needs loss_fn")
-        self._inputs = [self._split(a, "input") for a in args]
-        self._targets = self._split(target, "target") if st.is_last else None
-        self._stash: dict[int, tuple] = {}
-        self._outputs: list[torch.Tensor] = []
-        self._losses = losses
-        self.events, self._live, self._live_bytes = [], 0, 0
+        self.inputs = [self._split(a, "input") for a in args]
+        self.targets = self._split(target, "target") if st.is_last else None
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: list[torch.Tensor] = []
+        self.losses = losses
+        self.events, self._live, self._live_bytes, self._saved = [], 0, 0, {}
         self.peak_live = self.peak_activation_bytes = 0
         self._params = {p.untyped_storage().data_ptr() for p in st.submodule.parameters()}
         actions = self.order()
@@ -252,8 +254,8 @@ class PipelineSchedule:
         for action, mb in actions:
             (self._forward if action == "F" else self._backward)(mb)
         st.wait_sends()
-        self._stash = {}
-        return torch.cat(self._outputs) if st.is_last else None
+        self.stash = {}
+        return torch.cat(self.outputs) if st.is_last else None
 
     def _split(self, tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, ...]:
         if tensor.shape[0] % self.n_microbatches:
@@ -272,60 +274,84 @@ class PipelineSchedule:
         return tensor
 
     def _forward(self, mb: int) -> None:
-        st = self.stage
-        if st.is_first:
-            x = [a[mb] for a in self._inputs]
-        else:
-            x = [st.recv(st.prev, ACTIVATION_TAG, mb).requires_grad_()]
-            if mb + 1 < self.n_microbatches:  # start the next one's transfer during compute
-                st.irecv(st.prev, ACTIVATION_TAG, mb + 1, like=x[0])
-        start, self._nbytes, self._seen = time.perf_counter(), 0, set()
-        with torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda t: t):
-            out = st.submodule(*x)
-            if st.is_last:
-                loss = self.loss_fn(out, self._targets[mb])
-                scaled = loss / self.n_microbatches if self.scale_grads else loss
-        self._record("F", mb, start)
-        self._stash[mb] = (x[0], scaled if st.is_last else out, self._nbytes)
-        self._live += 1
-        self._live_bytes += self._nbytes
-        self.peak_live = max(self.peak_live, self._live)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
-        if st.is_last:
-            self._outputs.append(out.detach())
-            if self._losses is not None:
-                self._losses.append(loss.detach())
-        else:
-            st.send(out, st.next, ACTIVATION_TAG, mb)
+        forward_step(self, mb)
 
     def _backward(self, mb: int) -> None:
-        st = self.stage
-        if mb not in self._stash:
-            raise RuntimeError(f"stage {st.stage_index}: backward of micro-batch {mb} before "
-                               "its forward")
-        x, out, nbytes = self._stash.pop(mb)
-        grad = None
-        if not st.is_last:
-            grad = st.recv(st.next, GRADIENT_TAG, mb)
-            if mb + 1 < self.n_microbatches:
-                st.irecv(st.next, GRADIENT_TAG, mb + 1, like=grad)
+        backward_step(self, mb)
+
+    @contextlib.contextmanager
+    def measure(self, action: str, mb: int) -> Iterator[None]:
+        """Around the compute of one F or B: times it for the timeline and, for F, counts what
+        autograd saves for backward (the micro-batch stays stored until its B)."""
         start = time.perf_counter()
-        torch.autograd.backward(out, grad)
-        self._record("B", mb, start)
-        self._live -= 1
-        self._live_bytes -= nbytes
-        if not st.is_first:
-            st.send(x.grad, st.prev, GRADIENT_TAG, mb)
+        if action == "F":
+            self._nbytes, self._seen = 0, set()
+            with torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda t: t):
+                yield
+            self._saved[mb] = self._nbytes
+            self._live += 1
+            self._live_bytes += self._nbytes
+            self.peak_live = max(self.peak_live, self._live)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
+        else:
+            yield
+            self._live -= 1
+            self._live_bytes -= self._saved.pop(mb, 0)
+        self._record(action, mb, start)
 
 
 # %% solutions/07_pipeline_parallel.ipynb, cell 17
+def forward_step(sched: PipelineSchedule, mb: int) -> None:
+    """F of micro-batch `mb` on this stage: receive (or slice) the input, compute, send on."""
+    st = sched.stage
+    if st.is_first:
+        x = [a[mb] for a in sched.inputs]
+    else:
+        x = [st.recv(st.prev, ACTIVATION_TAG, mb).requires_grad_()]
+        if mb + 1 < sched.n_microbatches:  # start the next one's transfer during compute
+            st.irecv(st.prev, ACTIVATION_TAG, mb + 1, like=x[0])
+    with sched.measure("F", mb):
+        out = st.submodule(*x)
+        if st.is_last:
+            loss = sched.loss_fn(out, sched.targets[mb])
+            scaled = loss / sched.n_microbatches if sched.scale_grads else loss
+    if st.is_last:
+        sched.stash[mb] = (x[0], scaled)
+        sched.outputs.append(out.detach())
+        if sched.losses is not None:
+            sched.losses.append(loss.detach())
+    else:
+        sched.stash[mb] = (x[0], out)
+        st.send(out, st.next, ACTIVATION_TAG, mb)
+
+
+# %% solutions/07_pipeline_parallel.ipynb, cell 19
+def backward_step(sched: PipelineSchedule, mb: int) -> None:
+    """B of micro-batch `mb` on this stage: receive the output's gradient, backward, send on."""
+    st = sched.stage
+    if mb not in sched.stash:
+        raise RuntimeError(f"stage {st.stage_index}: backward of micro-batch {mb} before "
+                           "its forward")
+    x, out = sched.stash.pop(mb)
+    grad = None
+    if not st.is_last:
+        grad = st.recv(st.next, GRADIENT_TAG, mb)
+        if mb + 1 < sched.n_microbatches:
+            st.irecv(st.next, GRADIENT_TAG, mb + 1, like=grad)
+    with sched.measure("B", mb):
+        torch.autograd.backward(out, grad)
+    if not st.is_first:
+        st.send(x.grad, st.prev, GRADIENT_TAG, mb)
+
+
+# %% solutions/07_pipeline_parallel.ipynb, cell 22
 def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[tuple[str, int]]:
     """GPipe: all forwards, then all backwards, in micro-batch order on every stage."""
     m = n_microbatches
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 20
+# %% solutions/07_pipeline_parallel.ipynb, cell 25
 def one_f_one_b_order(n_microbatches: int, num_stages: int,
                       stage_index: int) -> list[tuple[str, int]]:
     """1F1B: warm up with (p - 1 - stage) forwards, then alternate one forward and one backward,
@@ -338,7 +364,7 @@ def one_f_one_b_order(n_microbatches: int, num_stages: int,
     return actions + [("B", i) for i in range(m - warmup, m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 22
+# %% solutions/07_pipeline_parallel.ipynb, cell 27
 class ScheduleGPipe(PipelineSchedule):
     """All m forwards, then all m backwards: simple, but every stage keeps m activations."""
 
@@ -355,7 +381,7 @@ class Schedule1F1B(PipelineSchedule):
                                  self.stage.stage_index)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 27
+# %% solutions/07_pipeline_parallel.ipynb, cell 32
 def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
     """Idle share of the step for each stage: 1 - busy time / (last end - first start), the
     step's span taken over all stages (the times must share a clock: one host)."""

@@ -1,9 +1,20 @@
-"""Lesson 07's exercises: the solutions score full points, realistic wrong versions less."""
+"""Lesson 07's exercises: the solutions score full points, realistic wrong versions less (the
+executor's on 2, 3 and 4 ranks of a 4-rank scratch cluster, a stage per rank)."""
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from conftest import full, less
 from course_lib.grading import grade_function
-from course_lib.pipeline import gpipe_order, one_f_one_b_order, pipeline_grads
+from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, backward_step, forward_step,
+                                 gpipe_order, one_f_one_b_order, pipeline_grads)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 
 
 def _forward_all(stages, x, target, loss_fn, m, scale):
@@ -75,3 +86,117 @@ def test_lesson07_exercises_score_solutions_and_reject_wrong_versions():
         for wrong in wrongs:
             result = grade_function(name, wrong)
             assert result.points < result.max_points, (name, wrong.__name__, result.reason)
+
+
+# lesson07.forward_step and backward_step: one stage per rank, on 2, 3 and 4 of 4 ranks --------
+
+def _input_of(sched, mb):
+    st = sched.stage
+    if st.is_first:
+        return [a[mb] for a in sched.inputs]
+    x = [st.recv(st.prev, ACTIVATION_TAG, mb).requires_grad_()]
+    if mb + 1 < sched.n_microbatches:
+        st.irecv(st.prev, ACTIVATION_TAG, mb + 1, like=x[0])
+    return x
+
+
+def forward_unscaled(sched, mb):
+    """Forgets the 1/m: every gradient is m times too large."""
+    st = sched.stage
+    x = _input_of(sched, mb)
+    with sched.measure("F", mb):
+        out = st.submodule(*x)
+        loss = sched.loss_fn(out, sched.targets[mb]) if st.is_last else None
+    if st.is_last:
+        sched.stash[mb] = (x[0], loss)
+        sched.outputs.append(out.detach())
+        sched.losses.append(loss.detach())
+    else:
+        sched.stash[mb] = (x[0], out)
+        st.send(out, st.next, ACTIVATION_TAG, mb)
+
+
+def forward_detaches_the_stash(sched, mb):
+    """Stashes a detached output: backward on it reaches no parameter of this stage."""
+    st = sched.stage
+    x = _input_of(sched, mb)
+    with sched.measure("F", mb):
+        out = st.submodule(*x)
+        if st.is_last:
+            loss = sched.loss_fn(out, sched.targets[mb])
+            scaled = loss / sched.n_microbatches
+    if st.is_last:
+        sched.stash[mb] = (x[0], scaled)
+        sched.outputs.append(out.detach())
+        sched.losses.append(loss.detach())
+    else:
+        sched.stash[mb] = (x[0], out.detach().requires_grad_())
+        st.send(out, st.next, ACTIVATION_TAG, mb)
+
+
+def forward_sends_without_header(sched, mb):
+    """Sends the bare activation, no header: the next stage's recv matches it to the header's
+    buffer and then waits for a tensor that never comes (cut off by the time limit)."""
+    st = sched.stage
+    x = _input_of(sched, mb)
+    with sched.measure("F", mb):
+        out = st.submodule(*x)
+        if st.is_last:
+            loss = sched.loss_fn(out, sched.targets[mb])
+    if st.is_last:
+        sched.stash[mb] = (x[0], loss / sched.n_microbatches)
+        sched.outputs.append(out.detach())
+        sched.losses.append(loss.detach())
+    else:
+        sched.stash[mb] = (x[0], out)
+        st.dist.isend(out.detach().contiguous(), st.next, group=st.group, tag=ACTIVATION_TAG)
+
+
+@pytest.mark.cluster
+def test_forward_step_solution_and_mistakes(scratch_cluster_4):
+    full("lesson07.forward_step", forward_step, scratch_cluster_4)
+    for wrong in (forward_unscaled, forward_detaches_the_stash, forward_sends_without_header):
+        less("lesson07.forward_step", wrong, scratch_cluster_4)
+
+
+def backward_without_the_gradient(sched, mb):
+    """Backward from the output as if it were a loss (sum): ignores what the next stage sent."""
+    st = sched.stage
+    x, out = sched.stash.pop(mb)
+    if not st.is_last:
+        st.recv(st.next, GRADIENT_TAG, mb)
+    with sched.measure("B", mb):
+        (out if st.is_last else out.sum()).backward()
+    if not st.is_first:
+        st.send(x.grad, st.prev, GRADIENT_TAG, mb)
+
+
+def backward_newest_first(sched, mb):
+    """Pops the newest stash instead of micro-batch mb's: under 1F1B a gradient meets another
+    micro-batch's activations."""
+    st = sched.stage
+    newest = max(sched.stash)
+    x, out = sched.stash.pop(newest)
+    grad = None
+    if not st.is_last:
+        grad = st.recv(st.next, GRADIENT_TAG, mb)
+    with sched.measure("B", mb):
+        torch.autograd.backward(out, grad)
+    if not st.is_first:
+        st.send(x.grad, st.prev, GRADIENT_TAG, newest)
+
+
+def backward_gradient_every_time(sched, mb):
+    """Right gradients, but sends the input gradient twice (once more after the wait)."""
+    backward_step(sched, mb)
+    st = sched.stage
+    if not st.is_first and mb == sched.n_microbatches - 1:
+        st.send(torch.zeros(1), st.prev, GRADIENT_TAG + 10, mb)
+
+
+@pytest.mark.cluster
+def test_backward_step_solution_and_mistakes(scratch_cluster_4):
+    full("lesson07.backward_step", backward_step, scratch_cluster_4)
+    for wrong in (backward_without_the_gradient, backward_newest_first,
+                  backward_gradient_every_time):
+        less("lesson07.backward_step", wrong, scratch_cluster_4)

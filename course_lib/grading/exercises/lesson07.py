@@ -1,8 +1,10 @@
-"""Lesson 07 (pipeline parallel): micro-batches through stages in one process; schedule orders."""
+"""Lesson 07 (pipeline parallel): micro-batches through stages in one process; the executor's
+forward and backward actions on a stage per rank (2, 3 and 4 of them); schedule orders."""
 
 from __future__ import annotations
 
-from course_lib.grading import Exercise, case, register
+from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.grading.sub_worlds import register_on_sub_worlds
 
 
 def _model_and_batch(seed: int, batch: int = 8):
@@ -98,3 +100,105 @@ register(Exercise(
     hint="Warm up with min(p - 1 - stage, m) forwards; then for each remaining micro-batch one "
          "forward (the next one) and one backward (the oldest); then the leftover backwards.",
 ))
+
+
+# --- lesson07.forward_step and lesson07.backward_step: the executor on real ranks --------------
+# One training step of the library's schedule with the learner's function for F or B, a stage
+# per rank on the first 2, 3 and 4 ranks, against one process on the whole batch.
+
+_MB = 2  # samples per micro-batch
+
+
+def _executor_body(dist, rank: int, fn, which: str, kind: str, m: int, seed: int) -> dict:
+    from torch.nn import functional as F
+
+    from course_lib import pipeline
+
+    k = dist.get_world_size()
+    model, x, y = _model_and_batch(seed, batch=_MB * m)
+    stage = pipeline.PipelineStage(pipeline.split_sequential(model, k)[rank], rank, k, dist=dist)
+    schedule = {"1F1B": pipeline.Schedule1F1B, "GPipe": pipeline.ScheduleGPipe}[kind](
+        stage, m, loss_fn=F.mse_loss)
+    if which == "F":
+        schedule._forward = lambda mb: fn(schedule, mb)
+    else:
+        schedule._backward = lambda mb: fn(schedule, mb)
+    last = rank == k - 1
+    losses: list = []
+    out = schedule.step(*([x] if rank == 0 else []), target=y if last else None,
+                        losses=losses if last else None)
+    result = {"stage gradients": [p.grad for p in stage.submodule.parameters()],
+              "messages sent": dist.calls["isend"] + dist.calls["send"],
+              "bytes sent": dist.payload["isend"] + dist.payload["send"]}
+    if last:
+        result["output"], result["losses"] = out, losses
+    return result
+
+
+def executor_harness(which: str):
+    def harness(fn, rank: int, world_size: int, k: int, kind: str, m: int, seed: int):
+        from course_lib.grading.sub_worlds import on_first_ranks
+
+        return on_first_ranks(k, _executor_body, fn, which, kind, m, seed)
+    return harness
+
+
+def _executor_reference(rank: int, world_size: int, k: int, kind: str, m: int, seed: int):
+    from torch.nn import functional as F
+
+    from course_lib.pipeline import MAX_DIMS, split_sequential
+
+    if rank >= k:
+        return None
+    model, x, y = _model_and_batch(seed, batch=_MB * m)
+    out = model(x)
+    F.mse_loss(out, y).backward()
+    stages = split_sequential(model, k)
+    crossing, h = [], x[:_MB]  # the bytes of one micro-batch's activation after each cut
+    for s in stages[:-1]:
+        h = s(h)
+        crossing.append(h.numel() * h.element_size())
+    header = (3 + MAX_DIMS) * 8
+    # Every micro-batch crosses each of this stage's links once each way, a header and a tensor:
+    # out to the next stage as an activation, back to the previous one as a gradient.
+    links = ([crossing[rank]] if rank < k - 1 else []) + ([crossing[rank - 1]] if rank else [])
+    result = {"stage gradients": [p.grad for p in stages[rank].parameters()],
+              "messages sent": 2 * m * len(links),
+              "bytes sent": m * sum(header + n for n in links)}
+    if rank == k - 1:
+        result["output"] = out.detach()
+        result["losses"] = [F.mse_loss(model(xc), yc).detach()
+                            for xc, yc in zip(x.chunk(m), y.chunk(m))]
+    return result
+
+
+_EXECUTOR_CASES = [
+    case(RANK, WORLD_SIZE, 2, "1F1B", 4, 0, label="2 stages, 1F1B, 4 micro-batches"),
+    case(RANK, WORLD_SIZE, 3, "1F1B", 5, 1, label="3 stages, 1F1B, 5 micro-batches"),
+    case(RANK, WORLD_SIZE, 4, "1F1B", 2, 2, label="4 stages, 1F1B, 2 < 4 micro-batches"),
+    case(RANK, WORLD_SIZE, 4, "GPipe", 4, 3, label="4 stages, GPipe, 4 micro-batches"),
+]
+
+for _which, _name, _hint in (
+        ("F", "forward_step",
+         "First stage: [a[mb] for a in sched.inputs]; else recv(prev, ACTIVATION_TAG, mb) and "
+         ".requires_grad_(), then irecv micro-batch mb + 1. Compute inside sched.measure('F', "
+         "mb); the last stage's loss is divided by n_microbatches (scale_grads). Stash (input, "
+         "output or scaled loss) under mb; send the output to stage.next unless last."),
+        ("B", "backward_step",
+         "Pop sched.stash[mb] (missing: an error naming stage and micro-batch). Unless last, "
+         "recv(next, GRADIENT_TAG, mb) and irecv mb + 1. torch.autograd.backward(out, grad) "
+         "inside sched.measure('B', mb); unless first, send input.grad to stage.prev with "
+         "GRADIENT_TAG.")):
+    register_on_sub_worlds(
+        f"lesson07.{_name}", "07_pipeline_parallel",
+        params=("sched", "mb"),
+        cases=_EXECUTOR_CASES,
+        reference=_executor_reference,
+        harness=executor_harness(_which),
+        points=3,
+        time_limit=5.0,  # a step takes well under a second; a message to the wrong peer hangs
+        rtol=1e-9,
+        atol=1e-12,
+        hint=_hint,
+    )
