@@ -81,8 +81,8 @@ def cluster():
 def test_solution_full_and_release_not_implemented(cluster):
     solution = grade_function(NAME, _defined_in(ROOT / "solutions" / "00_cluster.ipynb",
                                                 "shard_sum"), cluster)
-    assert (solution.points, solution.reason) == (2.0, "all 4 cases passed"), str(solution)
-    assert [len(c.rows) for c in solution.cases] == [4, 4, 4, 4]  # 3 ranks + the total
+    assert (solution.points, solution.reason) == (2.0, "all 5 cases passed"), str(solution)
+    assert [len(c.rows) for c in solution.cases] == [5] * 5  # 4 ranks + the total
     release = grade_function(NAME, _defined_in(ROOT / "notebooks" / "00_cluster.ipynb",
                                                "shard_sum"), cluster)
     assert release.points == 0.0
@@ -100,14 +100,15 @@ def test_realistic_mistakes_score_below_full(cluster, wrong):
 
 
 def test_partial_credit_is_by_case(cluster):
-    # Without a remainder (n=0) even the missing-remainder version is right: 1 case of 4.
-    assert grade_function(NAME, missing_remainder, cluster).points == 0.5
+    # Without a remainder (n=0) even the missing-remainder version is right: 1 case of 5.
+    assert grade_function(NAME, missing_remainder, cluster).points == 0.4
 
 
 def test_deadlock_on_one_rank_cut_off_then_cluster_usable(cluster):
     result = grade_function(NAME, hangs_on_rank_1, cluster, time_limit=3)
     assert result.points == 0.0
-    assert result.reason.startswith("timed out: n=10 did not finish within 3s on rank(s) 1 "
+    assert result.reason.startswith("timed out: 2 ranks, n=13 (remainder) did not finish "
+                                    "within 3s on rank(s) 1 "
                                     "(an endless loop or a deadlock?)")
     again = grade_function(NAME, _defined_in(ROOT / "solutions" / "00_cluster.ipynb",
                                              "shard_sum"), cluster)
@@ -117,7 +118,7 @@ def test_deadlock_on_one_rank_cut_off_then_cluster_usable(cluster):
 def test_engine_killed_by_the_function_is_reported(cluster):  # last user of `cluster`
     result = grade_function(NAME, exits_on_rank_0, cluster)
     assert result.points == 0.0
-    assert result.reason.startswith("an engine died during n=10")
+    assert result.reason.startswith("an engine died during 2 ranks, n=13 (remainder)")
     assert [r.note for r in result.cases[1].rows] == ["not run"]
 
 
@@ -129,7 +130,7 @@ def test_batch_grading_solution_and_student_release(tmp_path):
     by_dir = {Path(r["notebook"]).parent.name: r for r in rows}
     assert len(rows) == 2
     assert (by_dir["solutions"]["points"], by_dir["solutions"]["reason"]) == (
-        2.0, "all 4 cases passed")
+        2.0, "all 5 cases passed")
     assert by_dir["notebooks"]["points"] == 0.0
     assert by_dir["notebooks"]["reason"] == ("not implemented yet: shard_sum raises "
                                              "NotImplementedError")

@@ -19,13 +19,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot im
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "01_point_to_point.ipynb"
 
 
-def solution(name: str, notebook: Path = NOTEBOOK):
-    """The function `name` as the solution notebook defines it (its cell run on its own)."""
+def solution(name: str, notebook: Path = NOTEBOOK, **names):
+    """The function `name` as the solution notebook defines it (its cell run on its own, with
+    `names`: the notebook's other functions it calls)."""
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type == "code" and f"def {name}(" in cell.source:
             namespace = {**vars(wire),  # exported cells use the module's own names
                          "__name__": f"solution_{name}", "torch": torch, "dist": dist,
-                         "wire": wire}
+                         "wire": wire, **names}
             exec(compile(cell.source, f"{notebook.name}:{name}", "exec"), namespace)
             return namespace[name]
     raise LookupError(f"{notebook.name} defines no function {name}")
@@ -92,7 +93,7 @@ def test_not_implemented_scores_zero():
     assert r.points == 0, r  # the harness must not turn NotImplementedError into "rejected"
 
 
-# lesson01.exchange (on a 3-rank cluster) ----------------------------------------------------
+# lesson01.exchange (on 2, 3 and 4 ranks of a 4-rank cluster) ----------------------------------------------------
 
 def both_send_first(tensor, peer):
     from course_lib import dist
@@ -123,20 +124,33 @@ def receives_into_input(tensor, peer):
     return tensor
 
 
-@pytest.fixture(scope="module")
-def c3():
-    from course_lib.cluster import start
+def in_pieces(tensor, peer):
+    """Right tensor, in four messages each way: the check counts one."""
+    from course_lib import dist
+    received = torch.empty_like(tensor)
+    mine, theirs = tensor.view(-1).tensor_split(4), received.view(-1).tensor_split(4)
+    for a, b in zip(mine, theirs):
+        works = [dist.irecv(b, peer), dist.isend(a, peer)]
+        for w in works:
+            w.wait()
+    return received
 
-    with start(3, backend="scratch", timeout=60) as c:
-        yield c
+
+def by_all_gather(tensor, peer):
+    """Right tensor from the library's all_gather: a collective, which the check refuses."""
+    from course_lib import dist
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return parts[peer]
 
 
 @pytest.mark.cluster
-def test_exchange_solution_and_mistakes(c3):
-    full("lesson01.exchange", solution("exchange"), c3)
-    for wrong in (returns_own, receives_into_input):
-        less("lesson01.exchange", wrong, c3)
-    r = less("lesson01.exchange", both_send_first, c3, time_limit=4)
+def test_exchange_solution_and_mistakes(scratch_cluster_4):
+    c = scratch_cluster_4
+    full("lesson01.exchange", solution("exchange"), c)
+    for wrong in (returns_own, receives_into_input, in_pieces, by_all_gather):
+        less("lesson01.exchange", wrong, c)
+    r = less("lesson01.exchange", both_send_first, c, time_limit=4)
     assert r.reason.startswith("timed out"), r.reason  # the 32 MiB case deadlocks
     assert r.cases[0].passed  # small messages fit in the kernel's buffers
-    full("lesson01.exchange", solution("exchange"), c3)  # the cluster recovered
+    full("lesson01.exchange", solution("exchange"), c)  # the cluster recovered

@@ -16,7 +16,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot im
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "02_collectives.ipynb"
 
 
-def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send=False):
+def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send=False,
+          ends_with_next=False):
     """A ring all_reduce with one mistake switched on (see the wrong versions below)."""
     from course_lib import dist
     p, r = dist.get_world_size(), dist.get_rank()
@@ -26,8 +27,9 @@ def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send
     flat = tensor.view(-1)
     chunks = chunk_of(flat, p) if chunk_of else flat.tensor_split(p)
     incoming = torch.empty_like(chunks[0])
+    first = 0 if ends_with_next else 1  # rank r sends chunk r - first in step 0
     for s in range(p - 1):
-        mine, theirs = chunks[(r - s) % p], chunks[(r - s - 1) % p]
+        mine, theirs = chunks[(r - s - first) % p], chunks[(r - s - first - 1) % p]
         buf = incoming[:theirs.numel()]
         if recv_first:
             dist.recv(buf, left)
@@ -39,20 +41,20 @@ def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send
         theirs += buf
     if gather:
         for s in range(p - 1):
-            send = dist.isend(chunks[(r - s + 1) % p], right)
-            dist.recv(chunks[(r - s) % p], left)
+            send = dist.isend(chunks[(r - s - first + 1) % p], right)
+            dist.recv(chunks[(r - s - first) % p], left)
             send.wait()
 
 
 def off_by_one_chunk(tensor):
-    """All-gather starts from chunk r instead of the finished chunk (r + 1) % p."""
+    """All-gather starts from chunk r + 1 instead of the finished chunk r."""
     from course_lib import dist
     p, r = dist.get_world_size(), dist.get_rank()
     _ring(tensor, gather=False)
     chunks = tensor.view(-1).tensor_split(p)
     for s in range(p - 1):
-        send = dist.isend(chunks[(r - s) % p], (r + 1) % p)
-        dist.recv(chunks[(r - s - 1) % p], (r - 1) % p)
+        send = dist.isend(chunks[(r - s + 1) % p], (r + 1) % p)
+        dist.recv(chunks[(r - s) % p], (r - 1) % p)
         send.wait()
 
 
@@ -73,6 +75,41 @@ def everyone_receives_first(tensor):
 
 def sends_left_receives_left(tensor):
     _ring(tensor, left_for_send=True)
+
+
+def whole_tensor_ring(tensor):
+    """Right sums from p - 1 passes of the whole tensor (each rank adds what it got and passes
+    its own on): p - 1 messages, but p times the bytes of a reduce-scatter, and no all-gather
+    needed; as an all_reduce, (p-1) n elements instead of 2(p-1)/p n."""
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    passing, incoming = tensor.clone(), torch.empty_like(tensor)
+    for s in range(p - 1):
+        send = dist.isend(passing, (r + 1) % p)
+        dist.recv(incoming, (r - 1) % p)
+        send.wait()
+        tensor += incoming
+        passing = incoming.clone()
+
+
+def rs_ends_with_next(tensor):
+    """The reduce-scatter of a convention where rank r ends with chunk r + 1 (not torch's)."""
+    _ring(tensor, gather=False, ends_with_next=True)
+
+
+def rs_forgets_remainder(tensor):
+    def equal_chunks(flat, p):
+        k = flat.numel() // p
+        return [flat[i * k:(i + 1) * k] for i in range(p)]
+    _ring(tensor, chunk_of=equal_chunks, gather=False)
+
+
+def library_reduce_scatter(tensor):
+    from course_lib import dist
+    p = dist.get_world_size()
+    chunks = list(tensor.view(-1).tensor_split(p))
+    out = chunks[dist.get_rank()].clone()
+    dist.reduce_scatter(out, chunks)  # refused: not built from send/recv
 
 
 def library_all_reduce(tensor):
@@ -145,11 +182,23 @@ def c4(scratch_cluster_4):
     return scratch_cluster_4
 
 
+_RS = solution("ring_reduce_scatter", NOTEBOOK)
+
+
+@pytest.mark.cluster
+def test_ring_reduce_scatter_solution_and_mistakes(c4):
+    full("lesson02.ring_reduce_scatter", _RS, c4)
+    for wrong in (rs_ends_with_next, rs_forgets_remainder, library_reduce_scatter,
+                  whole_tensor_ring):
+        less("lesson02.ring_reduce_scatter", wrong, c4)
+
+
 @pytest.mark.cluster
 def test_ring_all_reduce_solution_and_mistakes(c4):
-    ring = solution("ring_all_reduce", NOTEBOOK)
+    ring = solution("ring_all_reduce", NOTEBOOK, ring_reduce_scatter=_RS)
     full("lesson02.ring_all_reduce", ring, c4)
-    for wrong in (off_by_one_chunk, no_all_gather, forgets_remainder, library_all_reduce):
+    for wrong in (off_by_one_chunk, no_all_gather, forgets_remainder, library_all_reduce,
+                  whole_tensor_ring):
         less("lesson02.ring_all_reduce", wrong, c4)
     for hangs in (everyone_receives_first, sends_left_receives_left):
         r = less("lesson02.ring_all_reduce", hangs, c4, time_limit=3)

@@ -4,11 +4,14 @@ One cluster serves every world size: `on_first_ranks(k, ...)` makes a group of t
 ranks and hands the learner's code a counting `dist` bound to it, so `get_world_size()` says k
 and every collective is counted (a non-power of two catches algorithms that only work on
 powers of two; the counts catch the right answer reached with the wrong communication).
+Learner code that calls the module `course_lib.dist` itself (lessons 01-02) is narrowed and
+counted by patching that module for the duration of a block instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -34,6 +37,63 @@ def on_first_ranks(k: int, body: Callable, fn: Callable, *args: Any) -> Any:
 def register_on_sub_worlds(name: str, notebook: str, **fields: Any) -> None:
     """An exercise whose cases run on sub-worlds of the grader's 4-rank scratch cluster."""
     register(Exercise(name=name, notebook=notebook, distributed=True, world_size=4, **fields))
+
+
+P2P = {"send": "sent", "isend": "sent", "recv": "received", "irecv": "received"}
+
+
+@contextmanager
+def counting_messages() -> Iterator[dict]:
+    """Count calls of course_lib.dist's send/isend/recv/irecv made inside the block, and the
+    elements sent: for learner code that calls the module `dist` itself, not a given `dist=`."""
+    from course_lib import dist
+
+    counts = {"sent": 0, "received": 0, "elements sent": 0}
+    saved = {name: getattr(dist, name) for name in P2P}
+
+    def counted(name):
+        def call(tensor, *args, **kwargs):
+            counts[P2P[name]] += 1
+            if P2P[name] == "sent":
+                counts["elements sent"] += tensor.numel()
+            return saved[name](tensor, *args, **kwargs)
+        return call
+
+    for name in P2P:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+LIBRARY = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "scatter",
+           "gather", "barrier")
+
+
+@contextmanager
+def first_ranks_as_world(k: int) -> Iterator[None]:
+    """Inside the block, course_lib.dist's world is global ranks 0..k-1: get_world_size()
+    says k (their ranks and send/recv peers are the same numbers), and the library's
+    collectives, which would wait for the ranks left out, raise instead."""
+    from course_lib import dist
+
+    saved = {name: getattr(dist, name) for name in ("get_world_size", *LIBRARY)}
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"dist.{name} is the library's; build this one from send/recv")
+        return call
+
+    dist.get_world_size = lambda group=None: k if group is None else saved["get_world_size"](group)
+    for name in LIBRARY:
+        setattr(dist, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 class LateDist(CountingDist):

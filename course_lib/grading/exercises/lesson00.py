@@ -1,4 +1,5 @@
-"""Lesson 00 (cluster): every rank sums its own balanced, contiguous shard of range(n)."""
+"""Lesson 00 (cluster): every rank sums its own balanced, contiguous shard of range(n), on worlds
+of 2, 3 and 4 ranks."""
 
 from __future__ import annotations
 
@@ -13,24 +14,40 @@ def _shard_sum(rank: int, world_size: int, n: int) -> int:
     return sum(range(start, stop))
 
 
+def shard_sum_harness(fn, rank: int, world_size: int, k: int, n: int):
+    """Ranks 0..k-1 of the grader's cluster play a world of k; the others sit out (None)."""
+    return fn(rank, k, n) if rank < k else None
+
+
+def _reference(rank: int, world_size: int, k: int, n: int):
+    return _shard_sum(rank, k, n) if rank < k else None
+
+
+def _total(values: list) -> int:
+    """What the ranks' sums add up to: sum(range(n)) when the shards tile range(n)."""
+    return sum(v for v in values if v is not None)
+
+
 register(Exercise(
     name="lesson00.shard_sum",
     notebook="00_cluster",
     params=("rank", "world_size", "n"),
     cases=[
-        case(RANK, WORLD_SIZE, 10, label="n=10"),
-        case(RANK, WORLD_SIZE, 13, label="n=13 (remainder)"),
-        case(RANK, WORLD_SIZE, 2, label="n=2 (fewer than ranks)"),
-        case(RANK, WORLD_SIZE, 0, label="n=0 (nothing to sum)"),
+        case(RANK, WORLD_SIZE, 2, 13, label="2 ranks, n=13 (remainder)"),
+        case(RANK, WORLD_SIZE, 3, 10, label="3 ranks, n=10"),
+        case(RANK, WORLD_SIZE, 3, 2, label="3 ranks, n=2 (fewer than ranks)"),
+        case(RANK, WORLD_SIZE, 4, 14, label="4 ranks, n=14 (remainder 2)"),
+        case(RANK, WORLD_SIZE, 4, 0, label="4 ranks, n=0 (nothing to sum)"),
     ],
-    reference=_shard_sum,
-    total=sum,
+    reference=_reference,
+    harness=shard_sum_harness,
+    total=_total,
     points=2,
     hint=("Rank r owns range(start, stop) with start = r * (n // world_size) + min(r, n % "
           "world_size): the first n % world_size ranks take one extra element, so the shards "
           "do not overlap, leave nothing out, and differ in size by at most one."),
     distributed=True,
-    world_size=3,       # the grader's cluster: odd, so a remainder lands on some ranks only
+    world_size=4,       # the grader's cluster: its first 2, 3 and 4 ranks play worlds of that size
     backend="none",     # nothing is communicated
     time_limit=10.0,
 ))

@@ -106,22 +106,28 @@ def partner(rank: int, world_size: int, shift: int) -> int:
     return (shift - rank) % world_size
 
 
-def exchange_harness(fn, rank: int, world_size: int, n: int, dtype: str, shift: int):
-    peer = partner(rank, world_size, shift)
+def exchange_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str, shift: int):
+    """On the first k ranks as a world of k: pairs of round `shift` exchange; the messages each
+    rank sends and receives are counted (one each way: not a collective, not in pieces)."""
+    from course_lib.grading.sub_worlds import counting_messages, first_ranks_as_world
+
+    peer = partner(rank, k, shift) if rank < k else rank
     if peer == rank:
         return "sits out"
     mine = payload(rank, n, getattr(torch, dtype))
     before = mine.clone()
-    got = fn(mine, peer)
-    return {"received": summary(got), "own tensor unchanged": bool(torch.equal(mine, before))}
+    with first_ranks_as_world(k), counting_messages() as counts:
+        got = fn(mine, peer)
+    return {"received": summary(got), "own tensor unchanged": bool(torch.equal(mine, before)),
+            "messages sent, received": (counts["sent"], counts["received"])}
 
 
-def _exchange_reference(rank: int, world_size: int, n: int, dtype: str, shift: int):
-    peer = partner(rank, world_size, shift)
+def _exchange_reference(rank: int, world_size: int, k: int, n: int, dtype: str, shift: int):
+    peer = partner(rank, k, shift) if rank < k else rank
     if peer == rank:
         return "sits out"
     return {"received": summary(payload(peer, n, getattr(torch, dtype))),
-            "own tensor unchanged": True}
+            "own tensor unchanged": True, "messages sent, received": (1, 1)}
 
 
 BIG = 2 ** 23  # 32 MiB of float32: more than the kernel buffers a socket, so order matters
@@ -131,15 +137,17 @@ register(Exercise(
     notebook="01_point_to_point",
     params=("tensor", "peer"),
     cases=[
-        case(RANK, WORLD_SIZE, 10, "float32", 1, label="10 floats, pairs (0, 1)"),
-        case(RANK, WORLD_SIZE, BIG, "float32", 1, label="32 MiB, pairs (0, 1)"),
-        case(RANK, WORLD_SIZE, 1001, "int64", 2, label="1001 int64, pairs (0, 2)"),
-        case(RANK, WORLD_SIZE, BIG, "float32", 0, label="32 MiB, pairs (1, 2)"),
+        case(RANK, WORLD_SIZE, 2, 10, "float32", 1, label="2 ranks, 10 floats, pair (0, 1)"),
+        case(RANK, WORLD_SIZE, 3, BIG, "float32", 1, label="3 ranks, 32 MiB, pair (0, 1)"),
+        case(RANK, WORLD_SIZE, 3, 1001, "int64", 2, label="3 ranks, 1001 int64, pair (0, 2)"),
+        case(RANK, WORLD_SIZE, 4, BIG, "float32", 1,
+             label="4 ranks, 32 MiB, pairs (0, 1) and (2, 3) at once"),
+        case(RANK, WORLD_SIZE, 4, BIG, "float32", 0, label="4 ranks, 32 MiB, pair (1, 3)"),
     ],
     reference=_exchange_reference,
     harness=exchange_harness,
     distributed=True,
-    world_size=3,
+    world_size=4,
     points=2,
     time_limit=10.0,
     hint=("Both ranks sending a large tensor first deadlock: neither receives. Let the lower "

@@ -5,109 +5,88 @@ works on powers of two)."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-
 import torch
 
 from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.grading.exercises.lesson01 import payload
+from course_lib.grading.sub_worlds import counting_messages, first_ranks_as_world
 
-P2P = {"send": "sent", "isend": "sent", "recv": "received", "irecv": "received"}
-
-
-@contextmanager
-def counting_messages():
-    """Count calls of course_lib.dist's send/isend/recv/irecv made inside the block."""
-    from course_lib import dist
-
-    counts = {"sent": 0, "received": 0}
-    saved = {name: getattr(dist, name) for name in P2P}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[P2P[name]] += 1
-            return saved[name](*args, **kwargs)
-        return call
-
-    for name in P2P:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+# --- lesson02.ring_reduce_scatter and lesson02.ring_all_reduce -------------------------------
 
 
-LIBRARY = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "scatter",
-           "gather", "barrier")
+def _ring_harness(phase: str):
+    def harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+        """On the first k ranks as a world of k: each rank's tensor, reduced by `fn`, and the
+        messages and elements this rank sent."""
+        if rank >= k:
+            return None
+        t = payload(rank, n, getattr(torch, dtype))
+        with first_ranks_as_world(k), counting_messages() as counts:
+            fn(t)
+        if phase == "reduce_scatter":
+            return {"chunk r": t.view(-1).tensor_split(k)[rank], "messages sent": counts["sent"],
+                    "elements sent": counts["elements sent"]}
+        # Bandwidth-optimal: every chunk but one leaves each rank once per phase.
+        optimal = abs(counts["elements sent"] - 2 * (k - 1) / k * n) <= 2
+        return {"tensor": t, "messages sent": counts["sent"],
+                "elements sent ~ 2(p-1)/p n": optimal}
+    return harness
 
 
-@contextmanager
-def first_ranks_as_world(k: int):
-    """Inside the block, course_lib.dist's world is global ranks 0..k-1: get_world_size()
-    says k (their ranks and send/recv peers are the same numbers), and the library's
-    collectives, which would wait for the ranks left out, raise instead."""
-    from course_lib import dist
-
-    saved = {name: getattr(dist, name) for name in ("get_world_size", *LIBRARY)}
-
-    def refuse(name):
-        def call(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} is the library's; build this one from send/recv")
-        return call
-
-    dist.get_world_size = lambda group=None: k if group is None else saved["get_world_size"](group)
-    for name in LIBRARY:
-        setattr(dist, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+def _ring_reference(phase: str):
+    def reference(rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+        if rank >= k:
+            return None
+        total = sum(payload(r, n, getattr(torch, dtype)) for r in range(k))
+        if not n:
+            total = torch.empty(0, dtype=getattr(torch, dtype))
+        if phase == "reduce_scatter":
+            return {"chunk r": total.tensor_split(k)[rank], "messages sent": k - 1,
+                    "elements sent": n - total.tensor_split(k)[rank].numel()}
+        return {"tensor": total, "messages sent": 2 * (k - 1), "elements sent ~ 2(p-1)/p n": True}
+    return reference
 
 
-# --- lesson02.ring_all_reduce ----------------------------------------------------------------
+_RING_CASES = [
+    case(RANK, WORLD_SIZE, 4, 12, "float32", label="4 ranks, 12 floats"),
+    case(RANK, WORLD_SIZE, 3, 7, "float32", label="3 ranks, 7 floats: unequal chunks"),
+    case(RANK, WORLD_SIZE, 2, 5, "float32", label="2 ranks, 5 floats"),
+    case(RANK, WORLD_SIZE, 3, 1001, "int64", label="3 ranks, 1001 int64"),
+    case(RANK, WORLD_SIZE, 4, 2, "float32", label="4 ranks, 2 floats: fewer than ranks"),
+]
 
-
-def ring_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
-    """On the first k ranks as a world of k: each rank's tensor, all-reduced by `fn`."""
-    if rank >= k:
-        return None
-    t = payload(rank, n, getattr(torch, dtype))
-    with first_ranks_as_world(k), counting_messages() as counts:
-        fn(t)
-    return {"tensor": t, "messages sent": counts["sent"]}
-
-
-def _ring_reference(rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
-    if rank >= k:
-        return None
-    total = sum(payload(r, n, getattr(torch, dtype)) for r in range(k))
-    return {"tensor": total if n else torch.empty(0, dtype=getattr(torch, dtype)),
-            "messages sent": 2 * (k - 1)}
-
+register(Exercise(
+    name="lesson02.ring_reduce_scatter",
+    notebook="02_collectives",
+    params=("tensor",),
+    cases=_RING_CASES,
+    reference=_ring_reference("reduce_scatter"),
+    harness=_ring_harness("reduce_scatter"),
+    distributed=True,
+    world_size=4,
+    points=2,
+    time_limit=10.0,
+    hint=("chunks = tensor.view(-1).tensor_split(p). Rank r must end with chunk r complete, so "
+          "it sends chunk r - 1 first: at step s send chunk (r - s - 1) % p to r + 1, receive "
+          "chunk (r - s - 2) % p from r - 1 into a buffer and add it. p - 1 steps, one message "
+          "each, every chunk but your own sent once."),
+))
 
 register(Exercise(
     name="lesson02.ring_all_reduce",
     notebook="02_collectives",
     params=("tensor",),
-    cases=[
-        case(RANK, WORLD_SIZE, 4, 12, "float32", label="4 ranks, 12 floats"),
-        case(RANK, WORLD_SIZE, 3, 7, "float32", label="3 ranks, 7 floats: unequal chunks"),
-        case(RANK, WORLD_SIZE, 2, 5, "float32", label="2 ranks, 5 floats"),
-        case(RANK, WORLD_SIZE, 3, 1001, "int64", label="3 ranks, 1001 int64"),
-        case(RANK, WORLD_SIZE, 4, 2, "float32", label="4 ranks, 2 floats: fewer than ranks"),
-    ],
-    reference=_ring_reference,
-    harness=ring_harness,
+    cases=_RING_CASES,
+    reference=_ring_reference("all_reduce"),
+    harness=_ring_harness("all_reduce"),
     distributed=True,
     world_size=4,
     points=3,
     time_limit=10.0,
-    hint=("Split with tensor.tensor_split(p) (unequal chunks are fine). Reduce-scatter: at step "
-          "s send chunk (r - s) % p to r + 1, receive chunk (r - s - 1) % p from r - 1 and add "
-          "it. All-gather: at step s send chunk (r - s + 1) % p, receive chunk (r - s) % p into "
-          "place. Use dist.isend + dist.recv (or parity order) so no step deadlocks."),
+    hint=("Your ring_reduce_scatter first (rank r then holds chunk r summed), then p - 1 "
+          "all-gather steps: at step s send chunk (r - s) % p to r + 1 and receive chunk "
+          "(r - s - 1) % p from r - 1 straight into place. Use dist.isend + dist.recv (or "
+          "parity order) so no step deadlocks."),
 ))
 
 # --- lesson02.tree_broadcast -----------------------------------------------------------------
