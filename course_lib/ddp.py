@@ -109,7 +109,7 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
     for p in reversed(list(params)):
         if current and p.dtype != current[0].dtype:
             buckets.append(current)
-            current, size = [], 0
+            current, size, cap = [], 0, bucket_cap_mb * MiB
         current.append(p)
         size += p.numel() * p.element_size()
         if size >= cap:
@@ -120,7 +120,7 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
     return buckets
 
 
-# %% solutions/04_data_parallel.ipynb, cell 25
+# %% solutions/04_data_parallel.ipynb, cell 26
 def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0, *,
                              dist: Any = None, group: Any = None) -> None:
     """Average gradients bucket by bucket, after backward (medium messages, still no overlap)."""
@@ -128,7 +128,7 @@ def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: floa
         allreduce_grads_flat(bucket, dist=dist, group=group)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 29
+# %% solutions/04_data_parallel.ipynb, cell 30
 def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     """The buckets that may start now: the run of complete buckets from `next_bucket` on.
     Launching strictly in bucket order makes every rank issue the same collectives in order."""
@@ -138,7 +138,7 @@ def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     return list(range(next_bucket, end))
 
 
-# %% solutions/04_data_parallel.ipynb, cell 32
+# %% solutions/04_data_parallel.ipynb, cell 33
 def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether `grad` is `view` itself (same memory, shape and strides), not a copy of it."""
     return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
@@ -214,7 +214,7 @@ class _TimedWork:
         return True
 
 
-# %% solutions/04_data_parallel.ipynb, cell 33
+# %% solutions/04_data_parallel.ipynb, cell 34
 class DistributedDataParallel(nn.Module):
     """Wraps `module` so that `loss.backward()` leaves the gradients averaged over all ranks.
 
@@ -327,7 +327,7 @@ class DistributedDataParallel(nn.Module):
         return sum(end - start for name, start, end in self.timeline if name == "wait")
 
 
-# %% solutions/04_data_parallel.ipynb, cell 35
+# %% solutions/04_data_parallel.ipynb, cell 36
 def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
     """Start `bucket`'s asynchronous all_reduce of its whole flat buffer; return its Work."""
     with torch.no_grad():
@@ -340,7 +340,7 @@ def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
     return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 38
+# %% solutions/04_data_parallel.ipynb, cell 39
 def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
     """The hook: `p`'s gradient is ready; stage it in its bucket, launch what may start now."""
     if not ddp.in_backward:
@@ -362,7 +362,7 @@ def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
         ddp.next_bucket = i + 1
 
 
-# %% solutions/04_data_parallel.ipynb, cell 41
+# %% solutions/04_data_parallel.ipynb, cell 42
 def finish_backward(ddp: "DistributedDataParallel") -> None:
     """End of backward: launch the buckets left, wait for all, leave every .grad averaged."""
     missing = [ddp.names[id(p)] for b in ddp.buckets[ddp.next_bucket:]

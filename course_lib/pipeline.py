@@ -72,7 +72,7 @@ def split_sequential(model: nn.Sequential, n_stages: int,
     return [nn.Sequential(*(model[i] for i in r)) for r in partition(costs, n_stages)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 10
+# %% solutions/07_pipeline_parallel.ipynb, cell 11
 def pipeline_grads(stages: Sequence[nn.Module], x: torch.Tensor, target: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    n_microbatches: int) -> None:
@@ -94,7 +94,7 @@ def pipeline_grads(stages: Sequence[nn.Module], x: torch.Tensor, target: torch.T
             saved[s][1].backward(inp_next.grad)  # what the next rank would send back
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 13
+# %% solutions/07_pipeline_parallel.ipynb, cell 14
 def _header(tensor: torch.Tensor, microbatch: int) -> torch.Tensor:
     if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
         raise ValueError(f"can only send tensors of <= {MAX_DIMS} dims and dtype in {DTYPES}, "
@@ -193,7 +193,7 @@ class PipelineStage:
         return tensor
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 15
+# %% solutions/07_pipeline_parallel.ipynb, cell 16
 class Event(NamedTuple):
     """One action of one stage: F (forward) or B (backward) of a micro-batch, perf_counter times."""
     rank: int
@@ -300,7 +300,7 @@ class PipelineSchedule:
         self._record(action, mb, start)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 17
+# %% solutions/07_pipeline_parallel.ipynb, cell 18
 def forward_step(sched: PipelineSchedule, mb: int) -> None:
     """F of micro-batch `mb` on this stage: receive (or slice) the input, compute, send on."""
     st = sched.stage
@@ -325,7 +325,7 @@ def forward_step(sched: PipelineSchedule, mb: int) -> None:
         st.send(out, st.next, ACTIVATION_TAG, mb)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 19
+# %% solutions/07_pipeline_parallel.ipynb, cell 20
 def backward_step(sched: PipelineSchedule, mb: int) -> None:
     """B of micro-batch `mb` on this stage: receive the output's gradient, backward, send on."""
     st = sched.stage
@@ -344,14 +344,14 @@ def backward_step(sched: PipelineSchedule, mb: int) -> None:
         st.send(x.grad, st.prev, GRADIENT_TAG, mb)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 22
+# %% solutions/07_pipeline_parallel.ipynb, cell 23
 def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[tuple[str, int]]:
     """GPipe: all forwards, then all backwards, in micro-batch order on every stage."""
     m = n_microbatches
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 25
+# %% solutions/07_pipeline_parallel.ipynb, cell 26
 def one_f_one_b_order(n_microbatches: int, num_stages: int,
                       stage_index: int) -> list[tuple[str, int]]:
     """1F1B: warm up with (p - 1 - stage) forwards, then alternate one forward and one backward,
@@ -364,7 +364,7 @@ def one_f_one_b_order(n_microbatches: int, num_stages: int,
     return actions + [("B", i) for i in range(m - warmup, m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 27
+# %% solutions/07_pipeline_parallel.ipynb, cell 28
 class ScheduleGPipe(PipelineSchedule):
     """All m forwards, then all m backwards: simple, but every stage keeps m activations."""
 
@@ -381,7 +381,7 @@ class Schedule1F1B(PipelineSchedule):
                                  self.stage.stage_index)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 32
+# %% solutions/07_pipeline_parallel.ipynb, cell 33
 def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
     """Idle share of the step for each stage: 1 - busy time / (last end - first start), the
     step's span taken over all stages (the times must share a clock: one host)."""

@@ -214,3 +214,59 @@ def test_tree_broadcast_solution_and_mistakes(c4):
     r = less("lesson02.tree_broadcast", whole_rounds_only, c4, time_limit=3)
     assert "3 ranks" in r.reason, r.reason  # the power-of-two case passes; 3 ranks does not
     full("lesson02.tree_broadcast", _TREE, c4)  # the cluster recovered
+
+
+# lesson02.tree_all_reduce ---------------------------------------------------------------------
+
+def doubling_powers_of_two_only(tensor):
+    """XOR partners without folding: on 3 ranks rank 2's partner 3 does not exist (a hang or
+    an error, cut off)."""
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    incoming, k = torch.empty_like(tensor), 1
+    while k < p:
+        send = dist.isend(tensor, r ^ k)
+        dist.recv(incoming, r ^ k)
+        send.wait()
+        tensor += incoming
+        k *= 2
+
+
+def doubling_via_rank_zero(tensor):
+    """Right sums by reducing to rank 0 and sending back: the naive algorithm's messages."""
+    naive = solution("naive_all_reduce", NOTEBOOK)
+    naive(tensor)
+
+
+def folds_without_returning(tensor):
+    """Folds the extra ranks in but never sends them the result: they keep their own."""
+    from course_lib import dist
+    p, r = dist.get_world_size(), dist.get_rank()
+    pof2 = 1 << (p.bit_length() - 1)
+    extra = p - pof2
+    incoming = torch.empty_like(tensor)
+    if r < 2 * extra and r % 2 == 0:
+        dist.send(tensor, r + 1)
+        return
+    if r < 2 * extra:
+        dist.recv(incoming, r - 1)
+        tensor += incoming
+    vrank = r // 2 if r < 2 * extra else r - extra
+    mask = 1
+    while mask < pof2:
+        vpeer = vrank ^ mask
+        peer = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
+        send = dist.isend(tensor, peer)
+        dist.recv(incoming, peer)
+        send.wait()
+        tensor += incoming
+        mask <<= 1
+
+
+@pytest.mark.cluster
+def test_tree_all_reduce_solution_and_mistakes(c4):
+    full("lesson02.tree_all_reduce", solution("tree_all_reduce", NOTEBOOK), c4)
+    for wrong in (doubling_via_rank_zero, folds_without_returning):
+        less("lesson02.tree_all_reduce", wrong, c4)
+    r = less("lesson02.tree_all_reduce", doubling_powers_of_two_only, c4, time_limit=3)
+    assert r.cases[0].passed and not r.cases[1].passed, r.reason  # 4 ranks pass, 3 do not

@@ -250,3 +250,50 @@ def test_finish_backward_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.finish_backward", finish_backward, scratch_cluster_4)
     for wrong in (no_wait, ignores_flags, silent_about_unused, only_first_rank_users):
         less("lesson04.finish_backward", wrong, scratch_cluster_4)
+
+
+# lesson04.make_buckets ------------------------------------------------------------------------
+
+def _buckets(params, cap_mb, first_mb, *, order=reversed, close_before=False, dtypes=True,
+             first=True):
+    """make_buckets with one mistake switched on (see the wrong versions below)."""
+    cap = (first_mb if first and first_mb is not None else cap_mb) * 2**20
+    buckets, current, size = [], [], 0
+    for p in order(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if current and ((dtypes and p.dtype != current[0].dtype)
+                        or (close_before and size + nbytes > cap)):
+            buckets.append(current)
+            current, size, cap = [], 0, cap_mb * 2**20
+        current.append(p)
+        size += nbytes
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_mb * 2**20
+    return buckets + ([current] if current else [])
+
+
+def forward_order(params, cap_mb, first_mb):
+    """Registration order: the first bucket holds the first layer, ready last in backward."""
+    return _buckets(params, cap_mb, first_mb, order=list)
+
+
+def closes_before_reaching(params, cap_mb, first_mb):
+    """Never exceeds the cap (torch's buckets do): different buckets, and too many of them."""
+    return _buckets(params, cap_mb, first_mb, close_before=True)
+
+
+def mixes_dtypes(params, cap_mb, first_mb):
+    return _buckets(params, cap_mb, first_mb, dtypes=False)
+
+
+def no_small_first_bucket(params, cap_mb, first_mb):
+    return _buckets(params, cap_mb, first_mb, first=False)
+
+
+def test_make_buckets_solution_and_mistakes():
+    from course_lib.ddp import make_buckets
+
+    full("lesson04.make_buckets", make_buckets)
+    for wrong in (forward_order, closes_before_reaching, mixes_dtypes, no_small_first_bucket):
+        less("lesson04.make_buckets", wrong)

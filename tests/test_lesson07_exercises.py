@@ -200,3 +200,39 @@ def test_backward_step_solution_and_mistakes(scratch_cluster_4):
     for wrong in (backward_without_the_gradient, backward_newest_first,
                   backward_gradient_every_time):
         less("lesson07.backward_step", wrong, scratch_cluster_4)
+
+
+# lesson07.partition ---------------------------------------------------------------------------
+
+def greedy_to_average(costs, n_stages):
+    """Fills each stage until it passes the average: not optimal, and may leave stages empty."""
+    if n_stages > len(costs):
+        raise ValueError("more stages than layers")
+    target, ranges, start, acc = sum(costs) / n_stages, [], 0, 0.0
+    for i, c in enumerate(costs):
+        acc += c
+        if acc >= target and len(ranges) < n_stages - 1:
+            ranges.append(range(start, i + 1))
+            start, acc = i + 1, 0.0
+    return ranges + [range(start, len(costs))]
+
+
+def equal_layer_counts(costs, n_stages):
+    """The same number of layers per stage, whatever they cost."""
+    if n_stages > len(costs):
+        raise ValueError("more stages than layers")
+    bounds = [round(k * len(costs) / n_stages) for k in range(n_stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def no_error_for_too_many_stages(costs, n_stages):
+    from course_lib.pipeline import partition
+    return partition(costs, min(n_stages, len(costs)))
+
+
+def test_partition_solution_and_mistakes():
+    from course_lib.pipeline import partition
+
+    full("lesson07.partition", partition)
+    for wrong in (greedy_to_average, equal_layer_counts, no_error_for_too_many_stages):
+        less("lesson07.partition", wrong)

@@ -267,7 +267,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     return _run(group, "reduce_scatter", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 36
+# %% solutions/02_collectives.ipynb, cell 39
 def _all_reduce_ring(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
                      name: str) -> None:
     """reduce_scatter then all_gather: each rank sends 2(p-1)/p of the data."""
@@ -351,7 +351,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     return _run(group, "all_reduce", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 43
+# %% solutions/02_collectives.ipynb, cell 46
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Return once every rank has entered: dissemination, lg p rounds of empty messages."""
     def body(g: ProcessGroup, tag: int) -> None:

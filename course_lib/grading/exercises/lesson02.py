@@ -89,6 +89,61 @@ register(Exercise(
           "parity order) so no step deadlocks."),
 ))
 
+# --- lesson02.tree_all_reduce (recursive doubling) --------------------------------------------
+
+
+def _doubling_messages(rank: int, k: int) -> int:
+    """Messages rank `rank` sends in recursive doubling on k ranks: lg(2**floor(lg k)) in the
+    doubling; a rank that folds into its odd neighbour sends 1, that neighbour 1 more."""
+    pof2 = 1 << (k.bit_length() - 1)
+    extra, rounds = k - pof2, pof2.bit_length() - 1
+    if rank < 2 * extra:
+        return 1 if rank % 2 == 0 else rounds + 1
+    return rounds
+
+
+def doubling_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+    if rank >= k:
+        return None
+    t = payload(rank, n, getattr(torch, dtype))
+    with first_ranks_as_world(k), counting_messages() as counts:
+        fn(t)
+    return {"tensor": t, "messages sent": counts["sent"],
+            "elements sent": counts["elements sent"]}
+
+
+def _doubling_reference(rank: int, world_size: int, k: int, n: int, dtype: str) -> dict | None:
+    if rank >= k:
+        return None
+    messages = _doubling_messages(rank, k)
+    return {"tensor": sum(payload(r, n, getattr(torch, dtype)) for r in range(k)),
+            "messages sent": messages, "elements sent": messages * n}
+
+
+register(Exercise(
+    name="lesson02.tree_all_reduce",
+    notebook="02_collectives",
+    params=("tensor",),
+    cases=[
+        case(RANK, WORLD_SIZE, 4, 5, "float32", label="4 ranks, 5 floats"),
+        case(RANK, WORLD_SIZE, 3, 7, "int64", label="3 ranks, 7 int64: ranks 0 and 1 fold"),
+        case(RANK, WORLD_SIZE, 2, 3, "float32", label="2 ranks, 3 floats"),
+        case(RANK, WORLD_SIZE, 3, 1000, "float32", label="3 ranks, 1000 floats"),
+    ],
+    reference=_doubling_reference,
+    harness=doubling_harness,
+    distributed=True,
+    world_size=4,
+    points=3,
+    time_limit=10.0,
+    hint=("pof2 = 1 << (p.bit_length() - 1), extra = p - pof2. Ranks r < 2*extra: even ones send "
+          "to r + 1 and receive the result from it; odd ones receive and add first. Virtual rank "
+          "v = r // 2 (r < 2*extra) or r - extra; partner v ^ mask for mask = 1, 2, ... < pof2, "
+          "back to a real rank as 2*v + 1 if v < extra else v + extra; swap whole tensors and "
+          "add. Then each odd r < 2*extra sends the sum to r - 1."),
+))
+
+
 # --- lesson02.tree_broadcast -----------------------------------------------------------------
 
 

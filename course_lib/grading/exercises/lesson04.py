@@ -55,6 +55,50 @@ register_on_sub_worlds(
 )
 
 
+def buckets_harness(fn, sizes: list, bucket_cap_mb: float, first_bucket_cap_mb) -> list | str:
+    """Parameters of `sizes` (numel, dtype name) in registration order; the buckets `fn` makes,
+    as lists of parameter indices, or the error it raised on a bad cap."""
+    params = [torch.zeros(n, dtype=getattr(torch, dt)) for n, dt in sizes]
+    index = {id(q): i for i, q in enumerate(params)}
+    try:
+        buckets = fn(params, bucket_cap_mb, first_bucket_cap_mb)
+    except ValueError:
+        return "raises ValueError"
+    return [[index[id(q)] for q in b] for b in buckets]
+
+
+def _buckets_reference(sizes: list, bucket_cap_mb: float, first_bucket_cap_mb) -> list | str:
+    from course_lib.ddp import make_buckets
+
+    return buckets_harness(make_buckets, sizes, bucket_cap_mb, first_bucket_cap_mb)
+
+
+_KiB = 1 / 1024  # in MiB
+
+register(Exercise(
+    name="lesson04.make_buckets",
+    notebook="04_data_parallel",
+    params=("params", "bucket_cap_mb", "first_bucket_cap_mb"),
+    cases=[
+        case([(256, "float32")] * 6, 2 * _KiB, 1 * _KiB, label="6 x 1 KiB, caps 2 KiB, first 1 KiB"),
+        case([(256, "float32")] * 6, 2 * _KiB, None, label="first_bucket_cap_mb=None: all 2 KiB"),
+        case([(100, "float32"), (300, "float32"), (50, "float32"), (700, "float32"),
+              (10, "float32")], 1.5 * _KiB, 0.5 * _KiB, label="uneven sizes"),
+        case([(64, "float32"), (64, "float64"), (64, "float64"), (64, "float32")], 10.0, 1.0,
+             label="dtypes change: a new bucket at each change"),
+        case([(3000, "float32")], 1 * _KiB, 1 * _KiB, label="one parameter larger than the cap"),
+        case([(10, "float32")], 0.0, 1.0, label="bucket_cap_mb=0: an error"),
+    ],
+    reference=_buckets_reference,
+    harness=buckets_harness,
+    points=2,
+    hint=("Walk reversed(params); start a new bucket when the dtype changes; add the parameter, "
+          "then close the bucket once its bytes reach the cap (the first bucket's cap is "
+          "first_bucket_cap_mb unless None, the rest bucket_cap_mb); keep the last, partial "
+          "bucket. bucket_cap_mb <= 0 is a ValueError."),
+))
+
+
 def _in_order(next_bucket: int, complete: list) -> list:
     end = next_bucket
     while end < len(complete) and complete[end]:

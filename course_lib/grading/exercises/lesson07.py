@@ -7,6 +7,48 @@ from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.grading.sub_worlds import register_on_sub_worlds
 
 
+def partition_harness(fn, costs: list, n_stages: int) -> dict | str:
+    """Whether `fn`'s ranges are a valid split, and its largest stage cost: any split with the
+    smallest largest stage is right (ties may be broken either way)."""
+    try:
+        ranges = [range(r.start, r.stop) for r in fn(costs, n_stages)]
+    except ValueError:
+        return "raises ValueError"
+    valid = (len(ranges) == n_stages and all(len(r) > 0 and r.step == 1 for r in ranges)
+             and [i for r in ranges for i in r] == list(range(len(costs))))
+    return {"n_stages non-empty contiguous ranges covering every layer in order": valid,
+            "largest stage cost": max(sum(costs[i] for i in r) for r in ranges) if valid else None}
+
+
+def _partition_reference(costs: list, n_stages: int) -> dict | str:
+    from course_lib.pipeline import partition
+
+    return partition_harness(partition, costs, n_stages)
+
+
+register(Exercise(
+    name="lesson07.partition",
+    notebook="07_pipeline_parallel",
+    params=("costs", "n_stages"),
+    cases=[
+        case([1, 1, 1, 1], 2, label="4 equal layers, 2 stages"),
+        case([5, 1, 1, 1, 1, 1], 2, label="a heavy first layer"),
+        case([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, label="growing costs, 3 stages"),
+        case([4, 1, 1, 4, 1, 1, 4], 3, label="greedy filling to the average fails"),
+        case([3, 3, 3], 3, label="one layer per stage"),
+        case([1, 100, 1, 1], 3, label="one layer dominates"),
+        case([2, 2], 3, label="more stages than layers: an error"),
+    ],
+    reference=_partition_reference,
+    harness=partition_harness,
+    points=2,
+    hint=("Dynamic programming over prefix sums: best[k][i] = the smallest largest stage cost of "
+          "layers[:i] in k stages = min over j of max(best[k-1][j], cost(j..i)); remember the j "
+          "that won, and walk the cuts back from best[n_stages][n]. Every stage non-empty; "
+          "n_stages > len(costs) is a ValueError."),
+))
+
+
 def _model_and_batch(seed: int, batch: int = 8):
     import torch
     from torch import nn
