@@ -12,7 +12,8 @@ import torch
 
 from conftest import full, less
 from course_lib.backend import default_dist
-from course_lib.ddp import (allreduce_grads_flat, buckets_to_launch, finish_backward,
+from course_lib.ddp import (allreduce_grads_flat, broadcast_coalesced, buckets_to_launch,
+                            finish_backward,
                             flatten_into, launch_bucket, on_grad_ready, stage_grad,
                             unflatten_to_grads)
 
@@ -297,3 +298,32 @@ def test_make_buckets_solution_and_mistakes():
     full("lesson04.make_buckets", make_buckets)
     for wrong in (forward_order, closes_before_reaching, mixes_dtypes, no_small_first_bucket):
         less("lesson04.make_buckets", wrong)
+
+
+# lesson04.broadcast_coalesced -----------------------------------------------------------------
+
+def one_broadcast_per_tensor(tensors, src, *, dist=None, group=None):
+    """Right values, but a message (and its latency) per tensor."""
+    for t in tensors:
+        dist.broadcast(t, src, group=group)
+
+
+def always_from_rank_zero(tensors, src, *, dist=None, group=None):
+    broadcast_coalesced(tensors, 0, dist=dist, group=group)
+
+
+def one_float_buffer(tensors, src, *, dist=None, group=None):
+    """Everything through one float64 buffer: one message, but it casts every dtype."""
+    flat = torch.cat([t.reshape(-1).double() for t in tensors])
+    dist.broadcast(flat, src, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype) + 0.5)  # a cast rounds
+        offset += t.numel()
+
+
+@pytest.mark.cluster
+def test_broadcast_coalesced_solution_and_mistakes(scratch_cluster_4):
+    full("lesson04.broadcast_coalesced", broadcast_coalesced, scratch_cluster_4)
+    for wrong in (one_broadcast_per_tensor, always_from_rank_zero, one_float_buffer):
+        less("lesson04.broadcast_coalesced", wrong, scratch_cluster_4)

@@ -8,6 +8,7 @@ import sys
 
 import cloudpickle
 import pytest
+import torch
 
 from conftest import full, less
 from course_lib.accumulation import accumulation_step, no_sync
@@ -81,3 +82,43 @@ def test_no_sync_solution_and_mistakes(scratch_cluster_4):
     full("lesson05.no_sync", no_sync, scratch_cluster_4)
     for wrong in (restores_true, no_finally, switches_the_hooks):
         less("lesson05.no_sync", wrong, scratch_cluster_4)
+
+
+# lesson05.saved_activation_bytes --------------------------------------------------------------
+
+def _counting(model, inputs, keep):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if keep(t):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return total
+
+
+def counts_parameters(model, *inputs):
+    """Counts the weights too: not activations, and not copied."""
+    return _counting(model, inputs, lambda t: True)
+
+
+def counts_twice(model, *inputs):
+    """Skips parameters but counts a tensor saved by two operations twice."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return _counting(model, inputs, lambda t: t.untyped_storage().data_ptr() not in params)
+
+
+def counts_outputs(model, *inputs):
+    """Counts what forward returns, not what autograd saves."""
+    return sum(o.numel() * o.element_size() for o in [model(*inputs)])
+
+
+def test_saved_activation_bytes_solution_and_mistakes():
+    from course_lib.accumulation import saved_activation_bytes
+
+    full("lesson05.saved_activation_bytes", saved_activation_bytes)
+    for wrong in (counts_parameters, counts_twice, counts_outputs):
+        less("lesson05.saved_activation_bytes", wrong)

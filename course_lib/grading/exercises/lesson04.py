@@ -16,6 +16,49 @@ def _grad(rank: int, shape: tuple, i: int):
     return (torch.arange(n, dtype=torch.float32).reshape(shape) * (rank + 1) + 10 * i - rank)
 
 
+def _state(rank: int, specs: list) -> list:
+    """This rank's tensors for `specs` of (shape, dtype name): different on every rank."""
+    return [(torch.arange(torch.Size(shape).numel()).reshape(shape) * (rank + 2) + 10 * i)
+            .to(getattr(torch, dt)) for i, (shape, dt) in enumerate(specs)]
+
+
+def _coalesced_body(dist, rank: int, fn, specs: list, src: int) -> dict:
+    tensors = _state(rank, specs)
+    fn(tensors, src, dist=dist)
+    return {"tensors": tensors, "collectives": dict(dist.calls)}
+
+
+def coalesced_harness(fn, rank: int, world_size: int, k: int, specs: list, src: int):
+    return on_first_ranks(k, _coalesced_body, fn, specs, src)
+
+
+def _coalesced_reference(rank: int, world_size: int, k: int, specs: list, src: int):
+    if rank >= k:
+        return None
+    return {"tensors": _state(src, specs),
+            "collectives": {"broadcast": len({dt for _, dt in specs})}}
+
+
+register_on_sub_worlds(
+    "lesson04.broadcast_coalesced", "04_data_parallel",
+    params=("tensors", "src"),
+    cases=[
+        case(RANK, WORLD_SIZE, 2, [((3, 4), "float32"), ((4,), "float32")], 0,
+             label="2 ranks, weight and bias from rank 0"),
+        case(RANK, WORLD_SIZE, 3, [((2, 2), "float64"), ((5,), "float32"), ((3,), "float64")], 2,
+             label="3 ranks, two dtypes, from rank 2"),
+        case(RANK, WORLD_SIZE, 4, [((6,), "float32"), ((), "int64"), ((2, 3), "float32")], 1,
+             label="4 ranks, a BatchNorm-like int64 counter, from rank 1"),
+    ],
+    reference=_coalesced_reference,
+    harness=coalesced_harness,
+    points=2,
+    hint=("Group the tensors by dtype (a dict keeps their order); per dtype, flatten_into one "
+          "buffer, dist.broadcast(flat, src, group=group) once, and copy each slice back into "
+          "its tensor (t.copy_(... .view_as(t)), in place, under torch.no_grad())."),
+)
+
+
 def _flat_body(dist, rank: int, fn, shapes: list) -> dict:
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
     for i, p in enumerate(params):

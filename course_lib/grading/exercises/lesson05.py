@@ -3,7 +3,7 @@ one all_reduce per step; no_sync inside the library's DDP. Checked on 2, 3 and 4
 
 from __future__ import annotations
 
-from course_lib.grading import RANK, WORLD_SIZE, case
+from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
 
 IN, OUT = 4, 2
@@ -162,3 +162,53 @@ register_on_sub_worlds(
           "the block raises. Set that attribute, not expect_hooks: forward recomputes "
           "expect_hooks from it."),
 )
+
+
+# --- lesson05.saved_activation_bytes -----------------------------------------------------------
+
+def _saving_model(kind: str):
+    """Models whose saved tensors differ: an MLP (inputs, ReLU outputs; weights by reference),
+    a square (the input saved twice, kept once), and a LayerNorm (its statistics too)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    class Square(nn.Module):
+        def forward(self, x):
+            return (x * x).sum()
+    if kind == "square":
+        return Square()
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh())
+
+
+def saved_harness(fn, kind: str, batch: int) -> int:
+    import torch
+
+    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch))
+    return int(fn(_saving_model(kind), x.requires_grad_(kind == "square")))
+
+
+def _saved_reference(kind: str, batch: int) -> int:
+    from course_lib.accumulation import saved_activation_bytes
+
+    return saved_harness(saved_activation_bytes, kind, batch)
+
+
+register(Exercise(
+    name="lesson05.saved_activation_bytes",
+    notebook="05_grad_accumulation",
+    params=("model",),
+    cases=[case("mlp", 4, label="MLP, batch 4"), case("mlp", 32, label="MLP, batch 32"),
+           case("square", 5, label="x * x: x saved twice, stored once"),
+           case("layernorm", 6, label="Linear, LayerNorm, Tanh")],
+    reference=_saved_reference,
+    harness=saved_harness,
+    points=2,
+    hint=("Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack) run model(*inputs); "
+          "pack(t) adds t.numel() * t.element_size() unless t's storage is a parameter's "
+          "(untyped_storage().data_ptr()) or the same view was counted already (key: storage "
+          "pointer, offset, shape, strides), and returns t; unpack returns it unchanged."),
+))
