@@ -23,7 +23,7 @@ from course_lib.backend import default_dist, global_rank
 __all__ = ["divide", "shard", "CopyToParallel", "copy_to_parallel", "ReduceFromParallel",
     "reduce_from_parallel", "GatherFromParallel", "gather_from_parallel", "ColumnParallelLinear",
     "RowParallelLinear", "column_parallel_forward", "row_parallel_forward", "TensorParallelMLP",
-    "TensorParallelAttention"]
+    "TensorParallelAttention", "attention_forward"]
 
 
 # %% solutions/06_tensor_parallel.ipynb, cell 6
@@ -306,11 +306,7 @@ class TensorParallelAttention(nn.Module):
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias, dist=d, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.local_heads, self.head_dim).unbind(dim=2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (batch, local heads, seq, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.out_proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+        return attention_forward(self, x)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, *, causal: bool = False, dist: Any = None,
@@ -330,3 +326,13 @@ class TensorParallelAttention(nn.Module):
         attn.qkv = ColumnParallelLinear.from_linear(packed, dist=dist, group=group, parts=3)
         attn.out_proj = RowParallelLinear.from_linear(mha.out_proj, dist=dist, group=group)
         return attn
+
+
+# %% solutions/06_tensor_parallel.ipynb, cell 30
+def attention_forward(attn: "TensorParallelAttention", x: torch.Tensor) -> torch.Tensor:
+    """This rank's heads of self-attention on the whole x; the output, summed over ranks."""
+    b, t, _ = x.shape
+    q, k, v = attn.qkv(x).view(b, t, 3, attn.local_heads, attn.head_dim).unbind(dim=2)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (batch, local heads, seq, head_dim)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=attn.causal)
+    return attn.out_proj(y.transpose(1, 2).reshape(b, t, attn.local_heads * attn.head_dim))

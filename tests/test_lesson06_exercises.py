@@ -193,3 +193,40 @@ def test_layer_forwards_solution_and_mistakes(scratch_cluster_4):
         less("lesson06.column_parallel_forward", wrong, c)
     for wrong in (_row_bias_before_sum, _row_slice_without_f, _row_split_in_half):
         less("lesson06.row_parallel_forward", wrong, c)
+
+
+def _attention_heads_last(attn, x):
+    """Splits the packed projection as (heads, 3) instead of (3, heads): q, k, v mixed up."""
+    b, t, _ = x.shape
+    q, k, v = attn.qkv(x).view(b, t, attn.local_heads, 3, attn.head_dim).unbind(dim=3)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=attn.causal)
+    return attn.out_proj(y.transpose(1, 2).reshape(b, t, attn.local_heads * attn.head_dim))
+
+
+def _attention_never_causal(attn, x):
+    b, t, _ = x.shape
+    q, k, v = attn.qkv(x).view(b, t, 3, attn.local_heads, attn.head_dim).unbind(dim=2)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v)
+    return attn.out_proj(y.transpose(1, 2).reshape(b, t, attn.local_heads * attn.head_dim))
+
+
+def _attention_reshape_without_transpose(attn, x):
+    """Puts the heads back with a reshape of (b, heads, t, d): sequence and heads interleaved."""
+    b, t, _ = x.shape
+    q, k, v = attn.qkv(x).view(b, t, 3, attn.local_heads, attn.head_dim).unbind(dim=2)
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=attn.causal)
+    return attn.out_proj(y.reshape(b, t, attn.local_heads * attn.head_dim))
+
+
+@pytest.mark.cluster
+def test_attention_forward_solution_and_mistakes(scratch_cluster_4):
+    from course_lib.tensor_parallel import attention_forward
+
+    c = scratch_cluster_4
+    full("lesson06.attention_forward", attention_forward, c)
+    for wrong in (_attention_heads_last, _attention_never_causal,
+                  _attention_reshape_without_transpose):
+        less("lesson06.attention_forward", wrong, c)

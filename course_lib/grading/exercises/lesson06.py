@@ -248,3 +248,47 @@ _register_06(
     "last dimension. Then F.linear with this rank's weight columns and no bias, "
     "reduce_from_parallel (g) to sum the partial results, and add the bias once, after the sum.",
     ("layer", "x"))
+
+
+# --- lesson06.attention_forward ----------------------------------------------------------------
+
+_HEADS, _EMBED, _SEQ = 12, 24, 5  # 12 heads: 6, 4 and 3 per rank on 2, 3 and 4 ranks
+
+
+def _mha(seed: int) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    return nn.MultiheadAttention(_EMBED, _HEADS, batch_first=True, dtype=torch.float64)
+
+
+def _attention_body(dist, rank: int, fn, seed: int, causal: bool) -> dict:
+    from course_lib.tensor_parallel import TensorParallelAttention
+
+    attn = TensorParallelAttention.from_torch(_mha(seed), causal=causal, dist=dist)
+    attn.forward = lambda x: fn(attn, x)
+    x = _randn(seed + 1, 2, _SEQ, _EMBED).requires_grad_()
+    out = _passes(dist, lambda: attn(x), lambda y: (y * _randn(seed + 2, 2, _SEQ, _EMBED)).sum())
+    return {**out, "x.grad": x.grad}
+
+
+def _attention_reference(rank: int, world_size: int, k: int, seed: int, causal: bool):
+    if rank >= k:
+        return None
+    mha = _mha(seed)
+    x = _randn(seed + 1, 2, _SEQ, _EMBED).requires_grad_()
+    mask = torch.triu(torch.ones(_SEQ, _SEQ, dtype=torch.bool), 1) if causal else None
+    y, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    (y * _randn(seed + 2, 2, _SEQ, _EMBED)).sum().backward()
+    return {"output": y.detach(), "forward collectives": {"all_reduce": 1},
+            "backward collectives": {"all_reduce": 1}, "x.grad": x.grad}
+
+
+_register_06(
+    "lesson06.attention_forward",
+    [case(RANK, WORLD_SIZE, k, seed, causal, label=f"{k} ranks" + (", causal" if causal else ""))
+     for k, seed, causal in ((2, 0, False), (3, 1, True), (4, 2, False))],
+    _attention_reference, _on_sub_worlds(_attention_body),
+    "q, k, v = attn.qkv(x).view(b, t, 3, attn.local_heads, attn.head_dim).unbind(2), each "
+    "transposed to (b, heads, t, head_dim); F.scaled_dot_product_attention(q, k, v, "
+    "is_causal=attn.causal); transpose back, reshape to (b, t, local_heads * head_dim), and "
+    "attn.out_proj of that.",
+    ("attn", "x"))
