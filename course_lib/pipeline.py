@@ -25,9 +25,9 @@ MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 
 __all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "MAX_DIMS", "DTYPES", "partition", "split_sequential",
-    "pipeline_grads", "PipelineStage", "Event", "PipelineSchedule", "forward_step", "backward_step",
-    "gpipe_order", "one_f_one_b_order", "ScheduleGPipe", "Schedule1F1B", "bubble_fractions",
-    "ideal_bubble"]
+    "pipeline_grads", "PipelineStage", "stage_send", "stage_recv", "Event", "PipelineSchedule",
+    "forward_step", "backward_step", "gpipe_order", "one_f_one_b_order", "ScheduleGPipe",
+    "Schedule1F1B", "bubble_fractions", "ideal_bubble"]
 
 
 # %% solutions/07_pipeline_parallel.ipynb, cell 7
@@ -134,14 +134,7 @@ class PipelineStage:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, microbatch: int) -> None:
         """Start sending header + tensor to `dst`; `wait_sends` waits for all of them."""
-        tensor = tensor.detach().contiguous()
-        what = f"isend (tag {tag}) of micro-batch {microbatch}"
-        try:
-            for t in (_header(tensor, microbatch), tensor):
-                self._sending.append((self.dist.isend(t, dst, group=self.group, tag=tag), t,
-                                      dst, what))
-        except Exception as exc:
-            raise self._fail(what, dst, exc) from exc
+        stage_send(self, tensor, dst, tag, microbatch)
 
     def wait_sends(self) -> None:
         """Wait until every started send is done (each wait bounded by the group's timeout)."""
@@ -165,35 +158,55 @@ class PipelineStage:
         self._posted[(src, tag)] = (microbatch, header, tensor, works)
 
     def recv(self, src: int, tag: int, microbatch: int) -> torch.Tensor:
-        """Receive header + tensor from `src` (or collect what `irecv` posted); checks it is
-        the micro-batch we expect."""
-        what = ("activation" if tag == ACTIVATION_TAG else "gradient") + \
-            f" of micro-batch {microbatch}"
-        posted = self._posted.pop((src, tag), None)
-        try:
-            if posted is None:
-                header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
-                self.dist.recv(header, src, group=self.group, tag=tag)
-                code, ndim = int(header[0]), int(header[2])
-                tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code])
-                self.dist.recv(tensor, src, group=self.group, tag=tag)
-            else:
-                expected_mb, header, tensor, works = posted
-                for work in works:
-                    work.wait()
-        except Exception as exc:
-            raise self._fail(f"recv of {what}", src, exc) from exc
-        got = int(header[1])
-        if got != microbatch or (posted and expected_mb != microbatch):
-            raise RuntimeError(f"pipeline stage {self.stage_index}: expected {what} from rank "
-                               f"{src} but got micro-batch {got} (schedules out of step?)")
-        if posted and not torch.equal(header, _header(tensor, microbatch)):
-            raise RuntimeError(f"pipeline stage {self.stage_index}: {what} from rank {src} has "
-                               "another shape or dtype than the step's first micro-batch")
-        return tensor
+        """Receive header + tensor from `src` (or collect what `irecv` posted)."""
+        return stage_recv(self, src, tag, microbatch)
 
 
 # %% solutions/07_pipeline_parallel.ipynb, cell 16
+def stage_send(stage: PipelineStage, tensor: torch.Tensor, dst: int, tag: int,
+               microbatch: int) -> None:
+    """Start sending header + tensor to `dst` without waiting (`wait_sends` waits)."""
+    tensor = tensor.detach().contiguous()
+    what = f"isend (tag {tag}) of micro-batch {microbatch}"
+    try:
+        for t in (_header(tensor, microbatch), tensor):
+            stage._sending.append((stage.dist.isend(t, dst, group=stage.group, tag=tag), t,
+                                   dst, what))
+    except Exception as exc:
+        raise stage._fail(what, dst, exc) from exc
+
+
+# %% solutions/07_pipeline_parallel.ipynb, cell 17
+def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> torch.Tensor:
+    """Receive header + tensor from `src` (or collect what `irecv` posted); check that it is
+    the micro-batch we expect."""
+    what = ("activation" if tag == ACTIVATION_TAG else "gradient") + \
+        f" of micro-batch {microbatch}"
+    posted = stage._posted.pop((src, tag), None)
+    try:
+        if posted is None:
+            header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+            stage.dist.recv(header, src, group=stage.group, tag=tag)
+            code, ndim = int(header[0]), int(header[2])
+            tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code])
+            stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+        else:
+            expected_mb, header, tensor, works = posted
+            for work in works:
+                work.wait()
+    except Exception as exc:
+        raise stage._fail(f"recv of {what}", src, exc) from exc
+    got = int(header[1])
+    if got != microbatch or (posted and expected_mb != microbatch):
+        raise RuntimeError(f"pipeline stage {stage.stage_index}: expected {what} from rank "
+                           f"{src} but got micro-batch {got} (schedules out of step?)")
+    if posted and not torch.equal(header, _header(tensor, microbatch)):
+        raise RuntimeError(f"pipeline stage {stage.stage_index}: {what} from rank {src} has "
+                           "another shape or dtype than the step's first micro-batch")
+    return tensor
+
+
+# %% solutions/07_pipeline_parallel.ipynb, cell 20
 class Event(NamedTuple):
     """One action of one stage: F (forward) or B (backward) of a micro-batch, perf_counter times."""
     rank: int
@@ -300,7 +313,7 @@ class PipelineSchedule:
         self._record(action, mb, start)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 18
+# %% solutions/07_pipeline_parallel.ipynb, cell 22
 def forward_step(sched: PipelineSchedule, mb: int) -> None:
     """F of micro-batch `mb` on this stage: receive (or slice) the input, compute, send on."""
     st = sched.stage
@@ -325,7 +338,7 @@ def forward_step(sched: PipelineSchedule, mb: int) -> None:
         st.send(out, st.next, ACTIVATION_TAG, mb)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 20
+# %% solutions/07_pipeline_parallel.ipynb, cell 24
 def backward_step(sched: PipelineSchedule, mb: int) -> None:
     """B of micro-batch `mb` on this stage: receive the output's gradient, backward, send on."""
     st = sched.stage
@@ -344,14 +357,14 @@ def backward_step(sched: PipelineSchedule, mb: int) -> None:
         st.send(x.grad, st.prev, GRADIENT_TAG, mb)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 23
+# %% solutions/07_pipeline_parallel.ipynb, cell 27
 def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[tuple[str, int]]:
     """GPipe: all forwards, then all backwards, in micro-batch order on every stage."""
     m = n_microbatches
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 26
+# %% solutions/07_pipeline_parallel.ipynb, cell 30
 def one_f_one_b_order(n_microbatches: int, num_stages: int,
                       stage_index: int) -> list[tuple[str, int]]:
     """1F1B: warm up with (p - 1 - stage) forwards, then alternate one forward and one backward,
@@ -364,7 +377,7 @@ def one_f_one_b_order(n_microbatches: int, num_stages: int,
     return actions + [("B", i) for i in range(m - warmup, m)]
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 28
+# %% solutions/07_pipeline_parallel.ipynb, cell 32
 class ScheduleGPipe(PipelineSchedule):
     """All m forwards, then all m backwards: simple, but every stage keeps m activations."""
 
@@ -381,7 +394,7 @@ class Schedule1F1B(PipelineSchedule):
                                  self.stage.stage_index)
 
 
-# %% solutions/07_pipeline_parallel.ipynb, cell 33
+# %% solutions/07_pipeline_parallel.ipynb, cell 37
 def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
     """Idle share of the step for each stage: 1 - busy time / (last end - first start), the
     step's span taken over all stages (the times must share a clock: one host)."""

@@ -61,18 +61,9 @@ def less(name: str, fn, cluster=None, **kwargs):
 
 
 @pytest.fixture(scope="session")
-def gloo_cluster_2():
-    """One 2-rank gloo cluster shared by the exercise tests of several lessons."""
-    from course_lib.cluster import start
-
-    with start(2, backend="gloo", timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
 def scratch_cluster_4():
-    """One 4-rank scratch cluster shared by the exercise tests of several lessons (those
-    checked on the first 2, 3 and 4 ranks of it)."""
+    """One 4-rank scratch cluster shared by a test file's exercise tests (each lesson's
+    distributed checks run on the first 2, 3 and 4 ranks of it); one per pytest worker."""
     from course_lib.cluster import start
 
     with start(4, backend="scratch", timeout=60) as c:

@@ -71,8 +71,10 @@ def per_parameter(params, *, dist=None, group=None):
 @pytest.mark.cluster
 def test_flat_all_reduce_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.allreduce_grads_flat", allreduce_grads_flat, scratch_cluster_4)
-    for wrong in (sum_not_average, never_copied_back, divide_by_param_count, per_parameter):
+    for wrong in (sum_not_average, never_copied_back, divide_by_param_count):
         less("lesson04.allreduce_grads_flat", wrong, scratch_cluster_4)
+    r = less("lesson04.allreduce_grads_flat", per_parameter, scratch_cluster_4)
+    assert "['collectives']['all_reduce']" in r.reason, r.reason  # right numbers, P messages
 
 
 # lesson04.launch_bucket, on_grad_ready, finish_backward ----------------------------------------
@@ -130,9 +132,11 @@ def stale_slice_for_unused(ddp, bucket):
 @pytest.mark.cluster
 def test_launch_bucket_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.launch_bucket", launch_bucket, scratch_cluster_4)
-    for wrong in (launch_bucket_without_return, blocking_launch, one_all_reduce_per_parameter,
-                  flags_left_out, stale_slice_for_unused):
+    for wrong in (launch_bucket_without_return, one_all_reduce_per_parameter, flags_left_out,
+                  stale_slice_for_unused):
         less("lesson04.launch_bucket", wrong, scratch_cluster_4)
+    r = less("lesson04.launch_bucket", blocking_launch, scratch_cluster_4)
+    assert "collectives per step" in r.reason, r.reason  # right numbers, not async
 
 
 def _start(ddp, p):
@@ -195,9 +199,10 @@ def no_callback(ddp, p):
 @pytest.mark.cluster
 def test_on_grad_ready_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.on_grad_ready", on_grad_ready, scratch_cluster_4)
-    for wrong in (launch_when_complete, summed_not_averaged, never_launches_from_hooks,
-                  no_callback):
+    for wrong in (launch_when_complete, summed_not_averaged, no_callback):
         less("lesson04.on_grad_ready", wrong, scratch_cluster_4)
+    r = less("lesson04.on_grad_ready", never_launches_from_hooks, scratch_cluster_4)
+    assert "bucket launches per step" in r.reason, r.reason  # right numbers, no overlap
 
 
 def _launch_rest(ddp):

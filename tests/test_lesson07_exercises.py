@@ -11,8 +11,9 @@ import torch
 
 from conftest import full, less
 from course_lib.grading import grade_function
-from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, backward_step, forward_step,
-                                 gpipe_order, one_f_one_b_order, pipeline_grads)
+from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, MAX_DIMS, backward_step,
+                                 forward_step, gpipe_order, one_f_one_b_order, pipeline_grads,
+                                 stage_recv, stage_send)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 
@@ -197,9 +198,10 @@ def backward_gradient_every_time(sched, mb):
 @pytest.mark.cluster
 def test_backward_step_solution_and_mistakes(scratch_cluster_4):
     full("lesson07.backward_step", backward_step, scratch_cluster_4)
-    for wrong in (backward_without_the_gradient, backward_newest_first,
-                  backward_gradient_every_time):
+    for wrong in (backward_without_the_gradient, backward_newest_first):
         less("lesson07.backward_step", wrong, scratch_cluster_4)
+    r = less("lesson07.backward_step", backward_gradient_every_time, scratch_cluster_4)
+    assert "messages sent" in r.reason, r.reason  # right gradients, an extra message
 
 
 # lesson07.partition ---------------------------------------------------------------------------
@@ -236,3 +238,54 @@ def test_partition_solution_and_mistakes():
     full("lesson07.partition", partition)
     for wrong in (greedy_to_average, equal_layer_counts, no_error_for_too_many_stages):
         less("lesson07.partition", wrong)
+
+
+# lesson07.stage_send and stage_recv -----------------------------------------------------------
+
+def send_microbatch_zero(stage, tensor, dst, tag, microbatch):
+    """Labels every message micro-batch 0: the receiver's check names the mismatch."""
+    stage_send(stage, tensor, dst, tag, 0)
+
+
+def send_as_float32(stage, tensor, dst, tag, microbatch):
+    """Casts to float32 on the way: the float64 model's gradients lose precision."""
+    stage_send(stage, tensor.float(), dst, tag, microbatch)
+
+
+def recv_ignores_posted(stage, src, tag, microbatch):
+    """Never collects what irecv posted: that receive swallows the next message and this one
+    waits for a header that never comes (cut off by the time limit)."""
+    stage._posted.pop((src, tag), None)
+    header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+    stage.dist.recv(header, src, group=stage.group, tag=tag)
+    ndim = int(header[2])
+    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
+    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+    return tensor
+
+
+def recv_always_float32(stage, src, tag, microbatch):
+    """Allocates float32 whatever the header says."""
+    posted = stage._posted.pop((src, tag), None)
+    if posted is not None:
+        for work in posted[3]:
+            work.wait()
+        return posted[2].float()
+    header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+    stage.dist.recv(header, src, group=stage.group, tag=tag)
+    ndim = int(header[2])
+    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
+    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+    return tensor.float()
+
+
+@pytest.mark.cluster
+def test_stage_send_and_recv_solutions_and_mistakes(scratch_cluster_4):
+    c = scratch_cluster_4
+    full("lesson07.stage_send", stage_send, c)
+    full("lesson07.stage_recv", stage_recv, c)
+    r = less("lesson07.stage_send", send_microbatch_zero, c)
+    assert "micro-batch" in r.reason, r.reason
+    less("lesson07.stage_send", send_as_float32, c)
+    less("lesson07.stage_recv", recv_ignores_posted, c)
+    less("lesson07.stage_recv", recv_always_float32, c)

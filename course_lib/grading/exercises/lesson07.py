@@ -163,8 +163,12 @@ def _executor_body(dist, rank: int, fn, which: str, kind: str, m: int, seed: int
         stage, m, loss_fn=F.mse_loss)
     if which == "F":
         schedule._forward = lambda mb: fn(schedule, mb)
-    else:
+    elif which == "B":
         schedule._backward = lambda mb: fn(schedule, mb)
+    elif which == "send":
+        stage.send = lambda *args: fn(stage, *args)
+    else:
+        stage.recv = lambda *args: fn(stage, *args)
     last = rank == k - 1
     losses: list = []
     out = schedule.step(*([x] if rank == 0 else []), target=y if last else None,
@@ -222,6 +226,15 @@ _EXECUTOR_CASES = [
 ]
 
 for _which, _name, _hint in (
+        ("send", "stage_send",
+         "For the header (_header(tensor, microbatch)) and then the detached, contiguous "
+         "tensor: stage._sending.append((stage.dist.isend(t, dst, group=stage.group, tag=tag), "
+         "t, dst, what)). Never wait here; wrap a transport error in stage._fail(what, dst, exc)."),
+        ("recv", "stage_recv",
+         "posted = stage._posted.pop((src, tag), None): if posted, wait for its works; else "
+         "recv a 3 + MAX_DIMS int64 header, torch.empty(shape[:ndim], dtype=DTYPES[code]) and "
+         "recv into it, all with group=stage.group and tag. Raise if header[1] != microbatch "
+         "(or a posted header disagrees with _header(tensor, microbatch))."),
         ("F", "forward_step",
          "First stage: [a[mb] for a in sched.inputs]; else recv(prev, ACTIVATION_TAG, mb) and "
          ".requires_grad_(), then irecv micro-batch mb + 1. Compute inside sched.measure('F', "
@@ -234,7 +247,8 @@ for _which, _name, _hint in (
          "GRADIENT_TAG.")):
     register_on_sub_worlds(
         f"lesson07.{_name}", "07_pipeline_parallel",
-        params=("sched", "mb"),
+        params=("stage", "tensor", "dst", "tag", "microbatch") if _which == "send" else
+        ("stage", "src", "tag", "microbatch") if _which == "recv" else ("sched", "mb"),
         cases=_EXECUTOR_CASES,
         reference=_executor_reference,
         harness=executor_harness(_which),
