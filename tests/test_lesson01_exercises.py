@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -154,3 +155,43 @@ def test_exchange_solution_and_mistakes(scratch_cluster_4):
     assert r.reason.startswith("timed out"), r.reason  # the 32 MiB case deadlocks
     assert r.cases[0].passed  # small messages fit in the kernel's buffers
     full("lesson01.exchange", solution("exchange"), c)  # the cluster recovered
+
+
+# lesson01.recv_exact (local socket pairs) -------------------------------------------------------
+
+def one_read(sock, view, deadline):
+    """One recv_into: a frame that arrives in pieces is left partly empty."""
+    wire._set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+    if sock.recv_into(view, len(view)) == 0 and len(view):
+        raise wire.PeerClosed("closed")
+
+
+def no_deadline(sock, view, deadline):
+    """Loops and detects EOF, but never arms the deadline: a slow peer is waited for forever
+    (here until it closes, so the error is the wrong one)."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:], len(view) - got)
+        if k == 0:
+            raise wire.PeerClosed("closed")
+        got += k
+
+
+def eof_as_timeout(sock, view, deadline):
+    """Treats a closed peer like a slow one: raises WireTimeout for both."""
+    got = 0
+    while got < len(view):
+        wire._set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+        try:
+            k = sock.recv_into(view[got:], len(view) - got)
+        except (BlockingIOError, TimeoutError):
+            raise wire.WireTimeout(got) from None
+        if k == 0:
+            raise wire.WireTimeout(got)
+        got += k
+
+
+def test_recv_exact_solution_and_mistakes():
+    full("lesson01.recv_exact", wire.recv_exact)
+    for wrong in (one_read, no_deadline, eof_as_timeout):
+        less("lesson01.recv_exact", wrong)

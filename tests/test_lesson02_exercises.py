@@ -270,3 +270,49 @@ def test_tree_all_reduce_solution_and_mistakes(c4):
         less("lesson02.tree_all_reduce", wrong, c4)
     r = less("lesson02.tree_all_reduce", doubling_powers_of_two_only, c4, time_limit=3)
     assert r.cases[0].passed and not r.cases[1].passed, r.reason  # 4 ranks pass, 3 do not
+
+
+# lesson02.tree_reduce -------------------------------------------------------------------------
+
+def reduce_to_root_directly(tensor, dst):
+    """Everyone sends straight to the root: right sum, p - 1 messages into one rank."""
+    from course_lib import dist
+    p, rank = dist.get_world_size(), dist.get_rank()
+    if rank != dst:
+        dist.send(tensor, dst)
+        return
+    incoming = torch.empty_like(tensor)
+    for r in range(p):
+        if r != dst:
+            dist.recv(incoming, r)
+            tensor += incoming
+
+
+def reduce_in_place_everywhere(tensor, dst):
+    """Adds into every rank's own tensor: the root is right, the others are clobbered."""
+    from course_lib import dist
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v = (rank - dst) % p
+    incoming, k = torch.empty_like(tensor), 1
+    while k < p:
+        if v & k:
+            dist.send(tensor, (v - k + dst) % p)
+            return
+        if v + k < p:
+            dist.recv(incoming, (v + k + dst) % p)
+            tensor += incoming
+        k *= 2
+
+
+def reduce_ignoring_dst(tensor, dst):
+    _tree_reduce(tensor, 0)
+
+
+_tree_reduce = solution("tree_reduce", NOTEBOOK)
+
+
+@pytest.mark.cluster
+def test_tree_reduce_solution_and_mistakes(c4):
+    full("lesson02.tree_reduce", _tree_reduce, c4)
+    for wrong in (reduce_to_root_directly, reduce_in_place_everywhere, reduce_ignoring_dst):
+        less("lesson02.tree_reduce", wrong, c4)

@@ -128,7 +128,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     return _run(group, "broadcast", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 19
+# %% solutions/02_collectives.ipynb, cell 22
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce onto rank `dst` along a binomial tree; other ranks' tensors are left unchanged."""
@@ -197,7 +197,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return _run(group, "scatter", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 33
+# %% solutions/02_collectives.ipynb, cell 36
 def ring_reduce_scatter_(g: ProcessGroup, chunks: Sequence[torch.Tensor], op: ReduceOp,
                          tag: int, name: str, forward_last: bool = False) -> list[Work]:
     """Ring reduce-scatter in place over 1-D `chunks`: rank r ends with chunks[r] reduced.
@@ -267,7 +267,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     return _run(group, "reduce_scatter", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 39
+# %% solutions/02_collectives.ipynb, cell 42
 def _all_reduce_ring(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
                      name: str) -> None:
     """reduce_scatter then all_gather: each rank sends 2(p-1)/p of the data."""
@@ -351,7 +351,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     return _run(group, "all_reduce", async_op, body)
 
 
-# %% solutions/02_collectives.ipynb, cell 46
+# %% solutions/02_collectives.ipynb, cell 49
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Return once every rank has entered: dissemination, lg p rounds of empty messages."""
     def body(g: ProcessGroup, tag: int) -> None:

@@ -181,7 +181,7 @@ def send_frame(sock: socket.socket, header: bytes, view: memoryview, deadline: f
     send_parts(sock, [header, view], deadline)
 
 
-# %% solutions/01_point_to_point.ipynb, cell 23
+# %% solutions/01_point_to_point.ipynb, cell 24
 # --- handshake: both ends prove they know the cluster's secret before any tensor moves -------
 
 HELLO = struct.Struct("<8sII32s")  # magic, connecting rank, rank it expects to reach, nonce

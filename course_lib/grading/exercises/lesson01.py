@@ -154,3 +154,78 @@ register(Exercise(
           "rank send first and the higher receive first, or post dist.irecv and dist.isend and "
           "wait on both. Receive into a new tensor (torch.empty_like) and return it."),
 ))
+
+
+# --- lesson01.recv_exact (on a local socket pair) ----------------------------------------------
+
+_SCENARIOS = {  # name: (pieces of the frame sent, pause between them (s), frame size, deadline)
+    "one piece": ([64], 0.0, 64, 2.0),
+    "three pieces": ([300, 400, 300], 0.05, 1000, 2.0),
+    "larger than the socket buffer": ([4 << 20], 0.0, 4 << 20, 5.0),
+    "empty view": ([], 0.0, 0, 1.0),
+    "peer closes mid-frame": ([10], 0.0, 40, 2.0),
+    "peer too slow for the deadline": ([10, 30], 1.0, 40, 0.3),
+}
+
+
+def recv_exact_harness(fn, scenario: str) -> dict:
+    """A feeder thread writes the frame in pieces into one end of a socket pair (and always
+    closes it at the end, so nothing can block forever); `fn` fills a buffer from the other."""
+    import socket
+    import threading
+    import time
+
+    pieces, pause, size, deadline = _SCENARIOS[scenario]
+    frame = bytes((i * 7 + 3) % 251 for i in range(size))
+    a, b = socket.socketpair()
+
+    def feed():
+        try:
+            offset = 0
+            for i, n in enumerate(pieces):
+                if i:
+                    time.sleep(pause)
+                a.sendall(frame[offset:offset + n])
+                offset += n
+        except OSError:
+            pass  # the reader gave up and closed its end
+        finally:
+            a.close()
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    buf = bytearray(size)
+    try:
+        fn(b, memoryview(buf), time.monotonic() + deadline)
+        outcome = "filled"
+    except Exception as exc:
+        outcome = f"raised {type(exc).__name__}"
+    finally:
+        b.close()
+        feeder.join(5)
+    return {"outcome": outcome, "buffer == frame": bytes(buf) == frame if outcome == "filled"
+            else None}
+
+
+def _recv_exact_reference(scenario: str) -> dict:
+    filled = scenario not in ("peer closes mid-frame", "peer too slow for the deadline")
+    return {"outcome": "filled" if filled else
+            "raised PeerClosed" if scenario == "peer closes mid-frame" else "raised WireTimeout",
+            "buffer == frame": True if filled else None}
+
+
+register(Exercise(
+    name="lesson01.recv_exact",
+    notebook="01_point_to_point",
+    params=("sock", "view", "deadline"),
+    cases=[case(name, label=name) for name in _SCENARIOS],
+    reference=_recv_exact_reference,
+    harness=recv_exact_harness,
+    points=2,
+    time_limit=15.0,
+    hint=("Loop until the view is full: _set_timeout(sock, socket.SO_RCVTIMEO, deadline) (it "
+          "raises WireTimeout once the deadline is past), then k = sock.recv_into(view[got:], "
+          "n - got, socket.MSG_WAITALL); k == 0 means the peer closed: raise PeerClosed; on "
+          "BlockingIOError/TimeoutError raise WireTimeout(got) if the deadline passed, else "
+          "retry."),
+))

@@ -89,6 +89,63 @@ register(Exercise(
           "parity order) so no step deadlocks."),
 ))
 
+# --- lesson02.tree_reduce ----------------------------------------------------------------------
+
+
+def _children(v: int, p: int) -> int:
+    """How many ranks send to virtual rank v in a binomial-tree reduce over p ranks."""
+    k, n = 1, 0
+    while k < p and not v & k:
+        n += v + k < p
+        k *= 2
+    return n
+
+
+def reduce_harness(fn, rank: int, world_size: int, k: int, n: int, dst: int) -> dict | None:
+    """On the first k ranks as a world of k; `dst` < 0 counts from the end."""
+    if rank >= k:
+        return None
+    dst %= k
+    t = payload(rank, n)
+    with first_ranks_as_world(k), counting_messages() as counts:
+        fn(t, dst)
+    return {"tensor" if rank == dst else "tensor (unchanged)": t,
+            "messages sent, received": (counts["sent"], counts["received"])}
+
+
+def _reduce_reference(rank: int, world_size: int, k: int, n: int, dst: int) -> dict | None:
+    if rank >= k:
+        return None
+    dst %= k
+    if rank == dst:
+        return {"tensor": sum(payload(r, n) for r in range(k)),
+                "messages sent, received": (0, _children(0, k))}
+    return {"tensor (unchanged)": payload(rank, n),
+            "messages sent, received": (1, _children((rank - dst) % k, k))}
+
+
+register(Exercise(
+    name="lesson02.tree_reduce",
+    notebook="02_collectives",
+    params=("tensor", "dst"),
+    cases=[
+        case(RANK, WORLD_SIZE, 4, 5, 0, label="4 ranks, 5 floats onto rank 0"),
+        case(RANK, WORLD_SIZE, 3, 7, 2, label="3 ranks, 7 floats onto rank 2"),
+        case(RANK, WORLD_SIZE, 4, 6, 1, label="4 ranks onto rank 1"),
+        case(RANK, WORLD_SIZE, 2, 3, -1, label="2 ranks onto the last"),
+    ],
+    reference=_reduce_reference,
+    harness=reduce_harness,
+    distributed=True,
+    world_size=4,
+    points=2,
+    time_limit=10.0,
+    hint=("v = (rank - dst) % p; acc = tensor on the root, a clone elsewhere. For k = 1, 2, 4, "
+          "... < p: if v & k, send acc to (v - k + dst) % p and stop; else if v + k < p, "
+          "receive from (v + k + dst) % p and add it to acc."),
+))
+
+
 # --- lesson02.tree_all_reduce (recursive doubling) --------------------------------------------
 
 
