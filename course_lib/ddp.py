@@ -84,7 +84,7 @@ def allreduce_grads_per_param(params: Sequence[torch.Tensor], *, dist: Any = Non
         p.grad = g.div_(world)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 21
+# %% solutions/04_data_parallel.ipynb, cell 22
 def allreduce_grads_flat(params: Sequence[torch.Tensor], *, dist: Any = None,
                          group: Any = None) -> None:
     """Average gradients with a single all_reduce of one flat buffer (one large message)."""
@@ -96,7 +96,7 @@ def allreduce_grads_flat(params: Sequence[torch.Tensor], *, dist: Any = None,
     unflatten_to_grads(flat.div_(dist.get_world_size(group)), params)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 25
+# %% solutions/04_data_parallel.ipynb, cell 26
 def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
                  first_bucket_cap_mb: float | None = 1.0) -> list[list[torch.Tensor]]:
     """Group parameters into buckets in reverse registration order (the order backward
@@ -121,7 +121,7 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
     return buckets
 
 
-# %% solutions/04_data_parallel.ipynb, cell 27
+# %% solutions/04_data_parallel.ipynb, cell 28
 def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0, *,
                              dist: Any = None, group: Any = None) -> None:
     """Average gradients bucket by bucket, after backward (medium messages, still no overlap)."""
@@ -129,7 +129,7 @@ def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: floa
         allreduce_grads_flat(bucket, dist=dist, group=group)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 31
+# %% solutions/04_data_parallel.ipynb, cell 32
 def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     """The buckets that may start now: the run of complete buckets from `next_bucket` on.
     Launching strictly in bucket order makes every rank issue the same collectives in order."""
@@ -139,7 +139,7 @@ def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
     return list(range(next_bucket, end))
 
 
-# %% solutions/04_data_parallel.ipynb, cell 34
+# %% solutions/04_data_parallel.ipynb, cell 35
 def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether `grad` is `view` itself (same memory, shape and strides), not a copy of it."""
     return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
@@ -215,7 +215,7 @@ class _TimedWork:
         return True
 
 
-# %% solutions/04_data_parallel.ipynb, cell 35
+# %% solutions/04_data_parallel.ipynb, cell 36
 class DistributedDataParallel(nn.Module):
     """Wraps `module` so that `loss.backward()` leaves the gradients averaged over all ranks.
 
@@ -328,7 +328,7 @@ class DistributedDataParallel(nn.Module):
         return sum(end - start for name, start, end in self.timeline if name == "wait")
 
 
-# %% solutions/04_data_parallel.ipynb, cell 37
+# %% solutions/04_data_parallel.ipynb, cell 38
 def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
     """Start `bucket`'s asynchronous all_reduce of its whole flat buffer; return its Work."""
     with torch.no_grad():
@@ -341,7 +341,7 @@ def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
     return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 40
+# %% solutions/04_data_parallel.ipynb, cell 41
 def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
     """The hook: `p`'s gradient is ready; stage it in its bucket, launch what may start now."""
     if not ddp.in_backward:
@@ -363,7 +363,7 @@ def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
         ddp.next_bucket = i + 1
 
 
-# %% solutions/04_data_parallel.ipynb, cell 43
+# %% solutions/04_data_parallel.ipynb, cell 44
 def finish_backward(ddp: "DistributedDataParallel") -> None:
     """End of backward: launch the buckets left, wait for all, leave every .grad averaged."""
     missing = [ddp.names[id(p)] for b in ddp.buckets[ddp.next_bucket:]

@@ -22,8 +22,8 @@ from course_lib.backend import default_dist, global_rank
 
 __all__ = ["divide", "shard", "CopyToParallel", "copy_to_parallel", "ReduceFromParallel",
     "reduce_from_parallel", "GatherFromParallel", "gather_from_parallel", "ColumnParallelLinear",
-    "RowParallelLinear", "column_parallel_forward", "row_parallel_forward", "TensorParallelMLP",
-    "TensorParallelAttention", "attention_forward"]
+    "RowParallelLinear", "initial_slice", "column_parallel_forward", "row_parallel_forward",
+    "TensorParallelMLP", "TensorParallelAttention", "attention_forward"]
 
 
 # %% solutions/06_tensor_parallel.ipynb, cell 6
@@ -134,23 +134,7 @@ class _ParallelLinear(nn.Module):
         self.bias = None if b is None else nn.Parameter(b)
 
     def _initial_slice(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's slice of nn.Linear's default initialization, drawn block of rows by
-        block in nn.Linear's order (weight, then bias), so that no more than one block is
-        held beside the slice."""
-        bound = 1 / math.sqrt(self.in_features)  # nn.Linear's, for weight and bias alike
-        p, rows = self.world_size, self.out_features
-        step = rows // (p * self.parts) if self.dim == 0 else math.ceil(rows / p)
-        kept = []
-        for j, start in enumerate(range(0, rows, step)):
-            block = torch.empty(min(step, rows - start), self.in_features).uniform_(-bound, bound)
-            if self.dim == 1:
-                kept.append(shard(block, 1, self.rank, p))
-            elif j % p == self.rank:  # block j is shard j % p of packed part j // p
-                kept.append(block)
-        b = torch.empty(rows).uniform_(-bound, bound) if bias else None
-        if b is not None and self.dim == 0:
-            b = shard(b, 0, self.rank, p, self.parts)
-        return torch.cat(kept), b
+        return initial_slice(self, bias)
 
     def load_full(self, full: nn.Linear) -> None:
         """Take this rank's slice of the unsplit layer `full` (its dtype too)."""
@@ -234,13 +218,35 @@ class RowParallelLinear(_ParallelLinear):
 
 
 # %% solutions/06_tensor_parallel.ipynb, cell 19
+def initial_slice(layer: "_ParallelLinear",
+                  bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's slice of nn.Linear's default initialization, drawn block of rows by
+    block in nn.Linear's order (weight, then bias), so that no more than one block is
+    held beside the slice."""
+    bound = 1 / math.sqrt(layer.in_features)  # nn.Linear's, for weight and bias alike
+    p, rows = layer.world_size, layer.out_features
+    step = rows // (p * layer.parts) if layer.dim == 0 else math.ceil(rows / p)
+    kept = []
+    for j, start in enumerate(range(0, rows, step)):
+        block = torch.empty(min(step, rows - start), layer.in_features).uniform_(-bound, bound)
+        if layer.dim == 1:
+            kept.append(shard(block, 1, layer.rank, p))
+        elif j % p == layer.rank:  # block j is shard j % p of packed part j // p
+            kept.append(block)
+    b = torch.empty(rows).uniform_(-bound, bound) if bias else None
+    if b is not None and layer.dim == 0:
+        b = shard(b, 0, layer.rank, p, layer.parts)
+    return torch.cat(kept), b
+
+
+# %% solutions/06_tensor_parallel.ipynb, cell 22
 def column_parallel_forward(layer: "ColumnParallelLinear", x: torch.Tensor) -> torch.Tensor:
     """x (whole) -> this rank's slice of the output features, or all of them, gathered."""
     y = F.linear(copy_to_parallel(x, layer.dist, layer.group), layer.weight, layer.bias)
     return gather_from_parallel(y, layer.dist, layer.group) if layer.gather_output else y
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 22
+# %% solutions/06_tensor_parallel.ipynb, cell 25
 def row_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -> torch.Tensor:
     """This rank's slice of the input features (or the whole x) -> the whole output."""
     if not layer.input_is_parallel:
@@ -250,7 +256,7 @@ def row_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -> torch.T
     return y + layer.bias if layer.bias is not None else y
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 27
+# %% solutions/06_tensor_parallel.ipynb, cell 30
 class TensorParallelMLP(nn.Module):
     """fc2(act(fc1(x))) with fc1 column-parallel and fc2 row-parallel: one all-reduce forward,
     one backward, and each rank holds 1/p of both weight matrices."""
@@ -281,7 +287,7 @@ class TensorParallelMLP(nn.Module):
         return mlp
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 28
+# %% solutions/06_tensor_parallel.ipynb, cell 31
 class TensorParallelAttention(nn.Module):
     """Multi-head self-attention split by heads: each rank owns num_heads/p heads (its slice of
     the q, k, v projections, column-parallel) and the matching columns of the output projection
@@ -328,7 +334,7 @@ class TensorParallelAttention(nn.Module):
         return attn
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 30
+# %% solutions/06_tensor_parallel.ipynb, cell 33
 def attention_forward(attn: "TensorParallelAttention", x: torch.Tensor) -> torch.Tensor:
     """This rank's heads of self-attention on the whole x; the output, summed over ranks."""
     b, t, _ = x.shape

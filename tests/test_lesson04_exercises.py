@@ -332,3 +332,15 @@ def test_broadcast_coalesced_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.broadcast_coalesced", broadcast_coalesced, scratch_cluster_4)
     for wrong in (one_broadcast_per_tensor, always_from_rank_zero, one_float_buffer):
         less("lesson04.broadcast_coalesced", wrong, scratch_cluster_4)
+
+
+# lesson04.allreduce_grads_per_param -----------------------------------------------------------
+
+@pytest.mark.cluster
+def test_per_param_solution_and_mistakes(scratch_cluster_4):
+    from course_lib.ddp import allreduce_grads_per_param
+
+    full("lesson04.allreduce_grads_per_param", allreduce_grads_per_param, scratch_cluster_4)
+    less("lesson04.allreduce_grads_per_param", sum_not_average, scratch_cluster_4)
+    r = less("lesson04.allreduce_grads_per_param", allreduce_grads_flat, scratch_cluster_4)
+    assert "['collectives']['all_reduce']" in r.reason, r.reason  # not what this step asks

@@ -231,3 +231,44 @@ def test_attention_forward_solution_and_mistakes(scratch_cluster_4):
     for wrong in (_attention_heads_last, _attention_never_causal,
                   _attention_reshape_without_transpose):
         less("lesson06.attention_forward", wrong, c)
+
+
+# lesson06.initial_slice -----------------------------------------------------------------------
+
+def init_local_shape(layer, bias):
+    """Draws only the local shard's shape: with one seed every rank gets the same numbers."""
+    bound = 1 / layer.in_features ** 0.5
+    p = layer.world_size
+    rows = layer.out_features // p if layer.dim == 0 else layer.out_features
+    cols = layer.in_features if layer.dim == 0 else layer.in_features // p
+    w = torch.empty(rows, cols).uniform_(-bound, bound)
+    n_bias = rows if layer.dim == 0 else layer.out_features
+    return w, torch.empty(n_bias).uniform_(-bound, bound) if bias else None
+
+
+def init_bias_first(layer, bias):
+    """Draws the bias before the weight: another stream than nn.Linear's."""
+    from course_lib.tensor_parallel import initial_slice
+    b = torch.empty(layer.out_features).uniform_(-1, 1) if bias else None
+    w, _ = initial_slice(layer, False)
+    if b is not None:
+        bound = 1 / layer.in_features ** 0.5
+        b = (b * bound)
+        if layer.dim == 0:
+            b = shard(b, 0, layer.rank, layer.world_size, layer.parts)
+    return w, b
+
+
+def init_ignores_parts(layer, bias):
+    """Contiguous rows for the rank, as if q, k and v were one block."""
+    from types import SimpleNamespace
+    from course_lib.tensor_parallel import initial_slice
+    return initial_slice(SimpleNamespace(**{**vars(layer), "parts": 1}), bias)
+
+
+def test_initial_slice_solution_and_mistakes():
+    from course_lib.tensor_parallel import initial_slice
+
+    full("lesson06.initial_slice", initial_slice)
+    for wrong in (init_local_shape, init_bias_first, init_ignores_parts):
+        less("lesson06.initial_slice", wrong)

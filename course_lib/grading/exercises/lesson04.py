@@ -73,23 +73,40 @@ def allreduce_harness(fn, rank: int, world_size: int, k: int, shapes: list) -> d
     return on_first_ranks(k, _flat_body, fn, shapes)
 
 
-def _average(rank: int, world_size: int, k: int, shapes: list) -> dict:
-    if rank >= k:
-        return None
-    return {"grads": [sum(_grad(r, tuple(s), i) for r in range(k)) / k
-                      for i, s in enumerate(shapes)],
-            "collectives": {"all_reduce": 1}}
+def _averaged(messages):
+    """The reference of an averaging exercise whose all_reduce count is `messages(shapes)`."""
+    def reference(rank: int, world_size: int, k: int, shapes: list) -> dict:
+        if rank >= k:
+            return None
+        return {"grads": [sum(_grad(r, tuple(s), i) for r in range(k)) / k
+                          for i, s in enumerate(shapes)],
+                "collectives": {"all_reduce": messages(shapes)}}
+    return reference
+
+
+_AVERAGE_CASES = [
+    case(RANK, WORLD_SIZE, 2, [(3,), (2, 5), (4,)], label="2 ranks, three parameters"),
+    case(RANK, WORLD_SIZE, 3, [(7,), (3, 3, 2)], label="3 ranks, odd sizes"),
+    case(RANK, WORLD_SIZE, 4, [(4, 4), (5,), (1,)], label="4 ranks, three parameters"),
+]
+
+register_on_sub_worlds(
+    "lesson04.allreduce_grads_per_param", "04_data_parallel",
+    params=("params",),
+    cases=_AVERAGE_CASES,
+    reference=_averaged(len),
+    harness=allreduce_harness,
+    points=1,
+    hint=("For each parameter and its gradient (grads_of(params)): dist.all_reduce(g, "
+          "group=group), then p.grad = g / dist.get_world_size(group)."),
+)
 
 
 register_on_sub_worlds(
     "lesson04.allreduce_grads_flat", "04_data_parallel",
     params=("params",),
-    cases=[
-        case(RANK, WORLD_SIZE, 2, [(3,), (2, 5), (4,)], label="2 ranks, three parameters"),
-        case(RANK, WORLD_SIZE, 3, [(7,), (3, 3, 2)], label="3 ranks, odd sizes"),
-        case(RANK, WORLD_SIZE, 4, [(4, 4), (5,), (1,)], label="4 ranks, three parameters"),
-    ],
-    reference=_average,
+    cases=_AVERAGE_CASES,
+    reference=_averaged(lambda shapes: 1),
     harness=allreduce_harness,
     points=2,
     hint=("Copy every gradient into one flat buffer, all_reduce it once (a SUM, on the group), "

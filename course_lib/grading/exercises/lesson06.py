@@ -292,3 +292,53 @@ _register_06(
     "is_causal=attn.causal); transpose back, reshape to (b, t, local_heads * head_dim), and "
     "attn.out_proj of that.",
     ("attn", "x"))
+
+
+# --- lesson06.initial_slice --------------------------------------------------------------------
+
+def init_harness(fn, n_in: int, n_out: int, dim: int, parts: int, rank: int, k: int,
+                 bias: bool, seed: int) -> dict:
+    """`fn` on a stand-in layer (only the fields it reads), from a known random state."""
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(in_features=n_in, out_features=n_out, dim=dim, parts=parts,
+                            rank=rank, world_size=k)
+    torch.manual_seed(seed)
+    weight, b = fn(layer, bias)
+    return {"weight": weight, "bias": b}
+
+
+def _init_reference(n_in: int, n_out: int, dim: int, parts: int, rank: int, k: int,
+                    bias: bool, seed: int) -> dict:
+    from course_lib.tensor_parallel import shard
+
+    torch.manual_seed(seed)
+    full = nn.Linear(n_in, n_out, bias=bias)
+    b = full.bias
+    if b is not None and dim == 0:
+        b = shard(b, 0, rank, k, parts)
+    return {"weight": shard(full.weight, dim, rank, k, parts).detach(),
+            "bias": None if b is None else b.detach()}
+
+
+register(Exercise(
+    name="lesson06.initial_slice",
+    notebook="06_tensor_parallel",
+    params=("layer", "bias"),
+    cases=[
+        case(4, 6, 0, 1, 1, 2, True, 0, label="column-parallel, rank 1 of 2"),
+        case(5, 12, 0, 1, 2, 3, True, 1, label="column-parallel, rank 2 of 3"),
+        case(4, 18, 0, 3, 1, 3, True, 2, label="packed q, k, v (parts=3), rank 1 of 3"),
+        case(8, 6, 1, 1, 3, 4, True, 3, label="row-parallel, rank 3 of 4"),
+        case(6, 5, 1, 1, 0, 3, False, 4, label="row-parallel, rank 0 of 3, no bias"),
+    ],
+    reference=_init_reference,
+    harness=init_harness,
+    points=2,
+    rtol=0, atol=0,
+    hint=("bound = 1 / sqrt(in_features). Draw the weight in blocks of rows, in order, each "
+          "torch.empty(rows_in_block, in_features).uniform_(-bound, bound): keep the blocks j "
+          "with j % world_size == rank (column-parallel, blocks of out_features / (world_size "
+          "* parts) rows) or this rank's columns of each block (row-parallel). Then draw the "
+          "whole bias the same way and keep its shard (column) or all of it (row)."),
+))
