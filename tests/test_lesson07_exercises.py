@@ -289,3 +289,35 @@ def test_stage_send_and_recv_solutions_and_mistakes(scratch_cluster_4):
     less("lesson07.stage_send", send_as_float32, c)
     less("lesson07.stage_recv", recv_ignores_posted, c)
     less("lesson07.stage_recv", recv_always_float32, c)
+
+
+# lesson07.bubble_fractions --------------------------------------------------------------------
+
+def bubble_own_span(events):
+    """Each stage's own first-to-last span: a stage that starts late looks busy."""
+    if not events:
+        raise ValueError("no events")
+    out = {}
+    for r in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == r]
+        span = max(e.end for e in mine) - min(e.start for e in mine)
+        out[r] = 1 - sum(e.end - e.start for e in mine) / span
+    return out
+
+
+def bubble_of_the_whole(events):
+    """One number for all stages, the mean idle share, given to every stage."""
+    if not events:
+        raise ValueError("no events")
+    span = max(e.end for e in events) - min(e.start for e in events)
+    ranks = sorted({e.rank for e in events})
+    mean = 1 - sum(e.end - e.start for e in events) / (span * len(ranks))
+    return {r: mean for r in ranks}
+
+
+def test_bubble_fractions_solution_and_mistakes():
+    from course_lib.pipeline import bubble_fractions
+
+    full("lesson07.bubble_fractions", bubble_fractions)
+    for wrong in (bubble_own_span, bubble_of_the_whole):
+        less("lesson07.bubble_fractions", wrong)

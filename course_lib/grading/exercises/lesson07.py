@@ -258,3 +258,45 @@ for _which, _name, _hint in (
         atol=1e-12,
         hint=_hint,
     )
+
+
+# --- lesson07.bubble_fractions -----------------------------------------------------------------
+
+def bubble_harness(fn, spans: list) -> dict | str:
+    """Events from (stage, action, start, end) tuples; the fractions `fn` computes, rounded."""
+    from course_lib.pipeline import Event
+
+    events = [Event(rank, action, i, start, end) for i, (rank, action, start, end)
+              in enumerate(spans)]
+    try:
+        return {r: round(f, 9) for r, f in fn(events).items()}
+    except ValueError:
+        return "raises ValueError"
+
+
+def _bubble_reference(spans: list) -> dict | str:
+    from course_lib.pipeline import bubble_fractions
+
+    return bubble_harness(bubble_fractions, spans)
+
+
+register(Exercise(
+    name="lesson07.bubble_fractions",
+    notebook="07_pipeline_parallel",
+    params=("events",),
+    cases=[
+        case([(0, "F", 0.0, 1.0), (1, "F", 1.0, 2.0), (1, "B", 2.0, 3.0), (0, "B", 3.0, 4.0)],
+             label="2 stages, one micro-batch: half idle each"),
+        case([(0, "F", 0.0, 1.0), (0, "F", 1.0, 2.0), (1, "F", 1.0, 2.0), (1, "F", 2.0, 3.0),
+              (1, "B", 3.0, 4.0), (1, "B", 4.0, 5.0), (0, "B", 4.0, 5.0), (0, "B", 5.0, 6.0)],
+             label="2 stages, GPipe, m = 2"),
+        case([(2, "F", 5.0, 6.0), (0, "F", 0.0, 3.0), (1, "F", 3.0, 5.0)],
+             label="3 stages, uneven, out of order"),
+        case([], label="no events: an error"),
+    ],
+    reference=_bubble_reference,
+    harness=bubble_harness,
+    points=1,
+    hint=("span = max(e.end) - min(e.start) over all events; per e.rank, busy = sum of e.end - "
+          "e.start; fraction = 1 - busy / span, for each stage; raise ValueError on []."),
+))
