@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import torch
 
-from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.grading import RANK, WORLD_SIZE, case
 from course_lib.grading.exercises.lesson01 import payload
-from course_lib.grading.sub_worlds import counting_messages, first_ranks_as_world
+from course_lib.grading.sub_worlds import (counting_messages, first_ranks_as_world,
+                                          register_on_sub_worlds)
 
 # --- lesson02.ring_reduce_scatter and lesson02.ring_all_reduce -------------------------------
 
@@ -55,39 +56,33 @@ _RING_CASES = [
     case(RANK, WORLD_SIZE, 4, 2, "float32", label="4 ranks, 2 floats: fewer than ranks"),
 ]
 
-register(Exercise(
-    name="lesson02.ring_reduce_scatter",
-    notebook="02_collectives",
+register_on_sub_worlds(
+    "lesson02.ring_reduce_scatter", "02_collectives",
     params=("tensor",),
     cases=_RING_CASES,
     reference=_ring_reference("reduce_scatter"),
     harness=_ring_harness("reduce_scatter"),
-    distributed=True,
-    world_size=4,
     points=2,
     time_limit=10.0,
     hint=("chunks = tensor.view(-1).tensor_split(p). Rank r must end with chunk r complete, so "
           "it sends chunk r - 1 first: at step s send chunk (r - s - 1) % p to r + 1, receive "
           "chunk (r - s - 2) % p from r - 1 into a buffer and add it. p - 1 steps, one message "
           "each, every chunk but your own sent once."),
-))
+)
 
-register(Exercise(
-    name="lesson02.ring_all_reduce",
-    notebook="02_collectives",
+register_on_sub_worlds(
+    "lesson02.ring_all_reduce", "02_collectives",
     params=("tensor",),
     cases=_RING_CASES,
     reference=_ring_reference("all_reduce"),
     harness=_ring_harness("all_reduce"),
-    distributed=True,
-    world_size=4,
     points=3,
     time_limit=10.0,
     hint=("Your ring_reduce_scatter first (rank r then holds chunk r summed), then p - 1 "
           "all-gather steps: at step s send chunk (r - s) % p to r + 1 and receive chunk "
           "(r - s - 1) % p from r - 1 straight into place. Use dist.isend + dist.recv (or "
           "parity order) so no step deadlocks."),
-))
+)
 
 # --- lesson02.tree_reduce ----------------------------------------------------------------------
 
@@ -124,9 +119,8 @@ def _reduce_reference(rank: int, world_size: int, k: int, n: int, dst: int) -> d
             "messages sent, received": (1, _children((rank - dst) % k, k))}
 
 
-register(Exercise(
-    name="lesson02.tree_reduce",
-    notebook="02_collectives",
+register_on_sub_worlds(
+    "lesson02.tree_reduce", "02_collectives",
     params=("tensor", "dst"),
     cases=[
         case(RANK, WORLD_SIZE, 4, 5, 0, label="4 ranks, 5 floats onto rank 0"),
@@ -136,14 +130,12 @@ register(Exercise(
     ],
     reference=_reduce_reference,
     harness=reduce_harness,
-    distributed=True,
-    world_size=4,
     points=2,
     time_limit=10.0,
     hint=("v = (rank - dst) % p; acc = tensor on the root, a clone elsewhere. For k = 1, 2, 4, "
           "... < p: if v & k, send acc to (v - k + dst) % p and stop; else if v + k < p, "
           "receive from (v + k + dst) % p and add it to acc."),
-))
+)
 
 
 # --- lesson02.tree_all_reduce (recursive doubling) --------------------------------------------
@@ -177,9 +169,8 @@ def _doubling_reference(rank: int, world_size: int, k: int, n: int, dtype: str) 
             "messages sent": messages, "elements sent": messages * n}
 
 
-register(Exercise(
-    name="lesson02.tree_all_reduce",
-    notebook="02_collectives",
+register_on_sub_worlds(
+    "lesson02.tree_all_reduce", "02_collectives",
     params=("tensor",),
     cases=[
         case(RANK, WORLD_SIZE, 4, 5, "float32", label="4 ranks, 5 floats"),
@@ -189,8 +180,6 @@ register(Exercise(
     ],
     reference=_doubling_reference,
     harness=doubling_harness,
-    distributed=True,
-    world_size=4,
     points=3,
     time_limit=10.0,
     hint=("pof2 = 1 << (p.bit_length() - 1), extra = p - pof2. Ranks r < 2*extra: even ones send "
@@ -198,7 +187,7 @@ register(Exercise(
           "v = r // 2 (r < 2*extra) or r - extra; partner v ^ mask for mask = 1, 2, ... < pof2, "
           "back to a real rank as 2*v + 1 if v < extra else v + extra; swap whole tensors and "
           "add. Then each odd r < 2*extra sends the sum to r - 1."),
-))
+)
 
 
 # --- lesson02.tree_broadcast -----------------------------------------------------------------
@@ -227,9 +216,8 @@ def _tree_reference(rank: int, world_size: int, k: int, n: int, src: int) -> dic
             "tree-shaped sends": True}
 
 
-register(Exercise(
-    name="lesson02.tree_broadcast",
-    notebook="02_collectives",
+register_on_sub_worlds(
+    "lesson02.tree_broadcast", "02_collectives",
     params=("tensor", "src"),
     cases=[
         case(RANK, WORLD_SIZE, 4, 5, 0, label="4 ranks, 5 floats from rank 0"),
@@ -239,11 +227,9 @@ register(Exercise(
     ],
     reference=_tree_reference,
     harness=tree_harness,
-    distributed=True,
-    world_size=4,
     points=2,
     time_limit=10.0,
     hint=("Work in virtual ranks v = (rank - src) % p so the root is 0. Round k = 0, 1, ...: "
           "every v < 2**k that has the data sends it to v + 2**k (if < p); v receives once, "
           "from v - 2**floor(lg v). Translate back with (v + src) % p; use dist.send/dist.recv."),
-))
+)
