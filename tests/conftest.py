@@ -18,11 +18,16 @@ MARKER = "COURSE_LIB_TEST_SESSION"
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(MARKER, uuid.uuid4().hex)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not os.environ[MARKER].endswith(f"-{worker}"):
+        # A marker of its own per xdist worker, so one worker's checks for leftover processes
+        # do not see the other worker's live clusters; the controller's check sees them all.
+        os.environ[MARKER] = f"{os.environ[MARKER]}-{worker}"
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
 
 
 def leftover_processes() -> list[psutil.Process]:
-    """Processes other than this one that carry this session's marker.
+    """Processes other than this one that carry this session's (or worker's) marker.
 
     multiprocessing's resource tracker is exempt: it lives until this process exits, by design.
     """
@@ -31,7 +36,8 @@ def leftover_processes() -> list[psutil.Process]:
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(MARKER) != token:
+            mark = proc.environ().get(MARKER) or ""
+            if mark != token and not mark.startswith(f"{token}-"):
                 continue
             if proc.ppid() == me and "multiprocessing.resource_tracker" in " ".join(proc.cmdline()):
                 continue
