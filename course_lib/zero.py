@@ -203,16 +203,20 @@ class _Bucket:
 
     def launch_reduce(self, dist: Any, group: Any) -> None:
         """Start averaging this bucket's gradients into a new shard-sized tensor."""
-        if self.staging is None:  # no gradient arrived in this backward
+        if self.staging is None:  # stage 1, or no gradient arrived in this backward
             self.staging = self.layout.flatten([p.grad for p in self.params])
         self.reduced = torch.empty(self.layout.shard_numel, dtype=self.layout.dtype)
         self.work = reduce_scatter_grads(self.staging, self.reduced, dist=dist, group=group,
                                          async_op=True)
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction; the shard's gradient gains it (accumulating backwards)."""
+    def finish_reduce(self, accumulate: bool) -> None:
+        """Wait for the reduction; the shard's gradient gains it (accumulating backwards) or,
+        when it was reduced from gradients autograd already accumulated, becomes it."""
         self.work.wait()
-        add_grad(self.shard, self.reduced)
+        if accumulate:
+            add_grad(self.shard, self.reduced)
+        else:
+            self.shard.grad = self.reduced
         self.staging = self.reduced = self.work = None
         self.staging_views = []
         self.ready.clear()
@@ -276,21 +280,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Copy a fresh gradient into its bucket; launch the complete buckets, in order."""
+        """Mark a gradient ready (stage 2: move it into its bucket); launch the complete
+        buckets, in order."""
         if not self._in_backward:
             self._in_backward, self._next_bucket = True, 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(p)]
-        if bucket.staging is None:
-            bucket.staging = torch.zeros(bucket.layout.padded_numel, dtype=bucket.layout.dtype)
-            bucket.staging_views = bucket.layout.views(bucket.staging)
         if id(p) in bucket.ready:
             raise RuntimeError("ZeroRedundancyOptimizer: a parameter got its gradient twice in "
                                "one backward (reentrant backward is not supported)")
-        with torch.no_grad():
-            bucket.staging_views[bucket.index[id(p)]].copy_(p.grad)
-        if self.stage == 2:
-            p.grad = None  # the full gradient is not kept: only this rank's reduced shard is
+        if self.stage == 2:  # the full gradient is not kept: only this rank's reduced shard is
+            if bucket.staging is None:
+                bucket.staging = torch.zeros(bucket.layout.padded_numel,
+                                             dtype=bucket.layout.dtype)
+                bucket.staging_views = bucket.layout.views(bucket.staging)
+            with torch.no_grad():
+                bucket.staging_views[bucket.index[id(p)]].copy_(p.grad)
+            p.grad = None
         bucket.ready.add(id(p))
         complete = [len(b.ready) == len(b.params) for b in self.buckets]
         for i in buckets_to_launch(self._next_bucket, complete):
@@ -302,7 +308,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for b in self.buckets[self._next_bucket:]:  # some parameter got no gradient
                 b.launch_reduce(self.dist, self.group)
             for b in self.buckets:
-                b.finish_reduce()
+                b.finish_reduce(accumulate=self.stage == 2)
         finally:
             self._in_backward = False
 
@@ -611,12 +617,13 @@ def _entry_names(module: nn.Module) -> dict[int, str]:
     return {id(m): (prefix + "." if prefix else "") for prefix, m in module.named_modules()}
 
 
-def _plain(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters no unit shards and buffers, by name, as module.state_dict() has them."""
-    out = {n: p.detach().clone() for n, p in module.named_parameters()
+def _plain(module: nn.Module, copy: bool) -> dict[str, torch.Tensor]:
+    """Parameters no unit shards and buffers, by name, as module.state_dict() has them
+    (copies, or views that write through to the module)."""
+    out = {n: p.detach() for n, p in module.named_parameters()
            if not getattr(p, "_zero_shard", False)}
-    out.update({n: b.clone() for n, b in module.named_buffers()})
-    return out
+    out.update({n: b.detach() for n, b in module.named_buffers()})
+    return {n: t.clone() for n, t in out.items()} if copy else out
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -632,7 +639,7 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, 
             views = flat.layout.views(full)
             for sub, name, i in flat.entries:
                 out[prefix[id(sub)] + name] = views[i].clone()
-    out.update(_plain(module))
+    out.update(_plain(module, copy=True))
     units = _units(module)
     rank = units[0].rank if units else 0
     return out if (rank == 0 or not rank0_only) else {}
@@ -640,7 +647,8 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
     """This rank's pieces of every sharded parameter (a parameter this rank holds nothing of
-    is left out), plus the unsharded parameters and buffers: what each rank checkpoints."""
+    is left out), plus the unsharded parameters and buffers: what each rank checkpoints.
+    Views, as torch's sharded state dicts are: loading into them loads the model."""
     prefix = _entry_names(module)
     out: dict[str, Any] = {}
     for unit in _units(module):
@@ -649,7 +657,7 @@ def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
             for i, start, stop, at in flat.layout.pieces(unit.rank):
                 for sub, name, j in flat.entries:
                     if j == i:
-                        out[prefix[id(sub)] + name] = Piece(shard[at:at + stop - start].clone(),
+                        out[prefix[id(sub)] + name] = Piece(shard[at:at + stop - start],
                                                             start, flat.layout.shapes[i])
-    out.update(_plain(module))
+    out.update(_plain(module, copy=False))
     return out
