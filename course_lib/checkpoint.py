@@ -7,6 +7,9 @@ tensor, length) and every file's size and SHA-256. A folder without a complete m
 whose files do not match it, is never loaded. Nothing is unpickled: tensors are raw bytes,
 everything else JSON.
 
+Shards are written and read in the safetensors format (the `safetensors` library opens them)
+straight from and into tensor memory, hashed as they stream.
+
 State dicts are nested dicts and lists whose leaves are tensors (the same on every rank that
 holds them: saved once), `Piece`s (one rank's part of a sharded tensor: ZeRO, FSDP) and JSON
 values (int, float, str, bool, None).
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import queue
 import secrets
+import struct
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load as st_load, save as st_save
 
 from course_lib.backend import default_dist
+from course_lib.dist.wire import byte_view
 from course_lib.zero import Piece
 
 __all__ = ["CheckpointError", "Piece", "flatten", "read_plan", "save", "load", "verify",
@@ -34,6 +41,10 @@ __all__ = ["CheckpointError", "Piece", "flatten", "read_plan", "save", "load", "
 MANIFEST = "manifest.json"
 FORMAT = "course_lib.checkpoint/1"
 _VALUE_TYPES = (int, float, str, bool, type(None))
+_CHUNK = 8 << 20  # read and hash in 8 MiB steps
+_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+             torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # safetensors' names
 
 
 class CheckpointError(RuntimeError):
@@ -169,13 +180,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name beside `path`, fsync it, rename it onto `path` and
-    fsync the folder: `path` holds the old bytes or all the new ones, never part of them."""
+def write_atomic(path: Path, data: bytes | list) -> None:
+    """Write `data` (bytes, or a list of buffers) to a temporary name beside `path`, fsync
+    it, rename it onto `path` and fsync the folder: `path` holds the old bytes or all the new
+    ones, never part of them."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "xb") as f:
-            f.write(data)
+            for part in [data] if isinstance(data, bytes) else data:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -184,24 +197,32 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _own_memory(leaves: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Flat tensors, each with memory of its own (safetensors refuses views that share it:
-    pieces of one ZeRO shard, optimizer steps tied together); others are not copied."""
-    out, seen = {}, set()
-    for name, leaf in leaves.items():
-        t = (leaf.tensor if isinstance(leaf, Piece) else leaf).detach().reshape(-1)
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() != t.nbytes or not t.is_contiguous():
-            t = t.clone()
-        seen.add(storage.data_ptr())
-        out[name] = t
-    return out
+def _flat(leaf: Any) -> torch.Tensor:
+    """A leaf's values as one contiguous row (a copy only when they are not contiguous)."""
+    return (leaf.tensor if isinstance(leaf, Piece) else leaf).detach().reshape(-1).contiguous()
 
 
-def _write_shard(folder: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict:
-    data = st_save(tensors)
-    write_atomic(folder / name, data)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write a safetensors file straight from the tensors' memory (no serialized copy),
+    hashing on a second thread as the bytes go out; atomically, as `write_atomic` does."""
+    header, at = {}, 0
+    # Widest elements first, as safetensors writes them, so every tensor's offset is aligned.
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    for name, t in tensors.items():
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
+    parts = [struct.pack("<Q", len(text)) + text] + [byte_view(t) for t in tensors.values()]
+    digest = hashlib.sha256()
+    hasher = threading.Thread(target=lambda: [digest.update(p) for p in parts])
+    hasher.start()  # hashlib and file writes both release the GIL on large buffers
+    try:
+        write_atomic(path, parts)
+    finally:
+        hasher.join()
+    return {"bytes": sum(len(p) for p in parts), "sha256": digest.hexdigest()}
 
 
 def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, dist: Any = None,
@@ -225,8 +246,8 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, dist: Any = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if writes[rank]:
-            info = _write_shard(folder, shard, _own_memory(
-                {name: leaves[key][0] for key, name, _ in writes[rank]}))
+            info = _write_shard(folder / shard,
+                                {name: _flat(leaves[key][0]) for key, name, _ in writes[rank]})
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait for it
         error = f"writing {folder / shard}: {type(exc).__name__}: {exc}"
     infos = _all_gather_json({"error": error, "info": info}, dist, group, world)
@@ -283,18 +304,60 @@ def read_manifest(checkpoint_id: str | os.PathLike) -> dict:
 
 
 def read_shard(folder: Path, name: str, info: dict) -> dict[str, torch.Tensor]:
-    """One shard file's tensors, after checking its size and SHA-256 against the manifest."""
+    """One shard file's tensors (views of one buffer read from it), after checking its size
+    and SHA-256 against the manifest and its header against the safetensors format."""
     path = folder / name
+    buffer = torch.empty(info["bytes"], dtype=torch.uint8)
+    view, digest, chunks = byte_view(buffer), hashlib.sha256(), queue.SimpleQueue()
+
+    def hash_behind() -> None:  # hashes each chunk while the next one is read
+        for chunk in iter(chunks.get, None):
+            digest.update(chunk)
+
+    hasher = threading.Thread(target=hash_behind)
+    hasher.start()
+    at, extra = 0, b""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            while at < len(view):
+                n = f.readinto(view[at:at + _CHUNK])
+                if not n:
+                    break
+                chunks.put(view[at:at + n])
+                at += n
+            extra = f.read(1)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+    finally:
+        chunks.put(None)
+        hasher.join()
+    if at != len(view) or extra or digest.hexdigest() != info["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch (the file is corrupt)")
     try:
-        return st_load(data)
-    except Exception as exc:  # noqa: BLE001 - safetensors' own errors vary by version
+        return _parse_safetensors(buffer)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: not a safetensors file: {exc}") from None
+
+
+def _parse_safetensors(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors as views of a safetensors file's bytes, every offset checked against its size."""
+    (size,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
+    if not 2 <= size <= buffer.numel() - 8:
+        raise ValueError(f"header of {size} bytes in a file of {buffer.numel()}")
+    header = json.loads(bytes(buffer[8:8 + size].numpy()))
+    data, out = buffer[8 + size:], {}
+    dtypes = {v: k for k, v in _ST_DTYPE.items()}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, (a, b) = dtypes[entry["dtype"]], entry["data_offsets"]
+        shape = [int(n) for n in entry["shape"]]
+        numel = math.prod(shape)
+        if not 0 <= a <= b <= data.numel() or b - a != numel * dtype.itemsize:
+            raise ValueError(f"{name!r}: offsets [{a}, {b}) do not fit {entry}")
+        raw = data[a:b] if a % dtype.itemsize == 0 else data[a:b].clone()  # another writer's
+        out[name] = raw.view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
+    return out
 
 
 def verify(checkpoint_id: str | os.PathLike) -> dict:

@@ -78,6 +78,20 @@ def test_a_saved_state_loads_back_bit_for_bit_in_place(tmp_path):
     assert_state_equal(got, want)
 
 
+def test_shards_are_safetensors_files_the_library_opens(tmp_path):
+    """Written by hand from tensor memory, read by the safetensors library as it wrote them."""
+    from safetensors.torch import load_file
+
+    want = state(4)
+    checkpoint.save(want, tmp_path / "c")
+    opened = load_file(_shard(tmp_path / "c"))
+    for key, (leaf, _, _) in checkpoint.flatten(want).items():
+        if isinstance(leaf, Piece):
+            assert torch.equal(opened[f"{key}@0"], leaf.tensor.reshape(-1)), key
+        elif torch.is_tensor(leaf):
+            assert torch.equal(opened[key], leaf.reshape(-1)), key
+
+
 def test_any_part_of_a_tensor_loads_from_what_was_saved(tmp_path):
     """A tensor saved whole loads as any piece of it (a rank of a new sharding)."""
     whole = torch.arange(10.0)

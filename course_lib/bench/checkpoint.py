@@ -1,0 +1,180 @@
+"""checkpoint: our sharded save and load against torch.distributed.checkpoint and torch.save.
+
+Every rank holds its 1/N of a training state of `--mib` MiB (`--tensors` fp32 tensors, each
+sharded evenly, as ZeRO-3 holds them) and saves it, then loads it back into fresh tensors, in
+the same processes on gloo, variant after variant in every repeat. Variants: `ours`
+(course_lib.checkpoint, Pieces), `dcp` (torch.distributed.checkpoint, DTensors on a CPU device
+mesh, its default FileSystemWriter: one thread, fsync) and `torch_save` (gather the full state
+to rank 0, `torch.save`, fsync; load: `torch.load` on rank 0 and scatter). Per variant: median
+time of the slowest rank and throughput in GB/s of the whole state, and whether what loaded
+equals what was saved. Files go under `--dir` (removed afterwards); loads come from the page
+cache for every variant alike, so load figures are the software's cost, not the disk's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from course_lib.bench.common import choose, finish, median, slowest_rank
+
+VARIANTS = ("ours", "dcp", "torch_save")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--mib", type=float, default=256.0, help="size of the whole state")
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def _shards(rank: int, world: int, mib: float, count: int) -> tuple[list, int]:
+    """This rank's shard of each of `count` tensors (values depend on the tensor and the
+    element: a wrong offset shows), and each tensor's full length."""
+    import torch
+
+    per = max(world, int(mib * 2 ** 20 / 4 / count) // world * world)
+    size = per // world
+    start = rank * size
+    return [torch.arange(start, start + size, dtype=torch.float32) + 1000.0 * i
+            for i in range(count)], per
+
+
+def _save_load(variant: str, shards: list, per: int, folder: str) -> tuple[float, float, bool]:
+    """(save seconds, load seconds, loaded == saved) for one variant on this rank."""
+    import torch
+    import torch.distributed as tdist
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    fresh = [torch.full_like(s, -1.0) for s in shards]
+    tdist.barrier()
+    t0 = time.perf_counter()
+    if variant == "ours":
+        from course_lib import checkpoint
+        from course_lib.checkpoint import Piece
+
+        def pieces(ts):
+            return {f"t{i}": Piece(t, rank * t.numel(), torch.Size([per]))
+                    for i, t in enumerate(ts)}
+
+        checkpoint.save(pieces(shards), folder, dist=tdist)
+        tdist.barrier()
+        t1 = time.perf_counter()
+        checkpoint.load(pieces(fresh), folder, dist=tdist)
+    elif variant == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+
+        def dtensors(ts):
+            return {f"t{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+                    for i, t in enumerate(ts)}
+
+        dcp.save(dtensors(shards), checkpoint_id=folder)
+        tdist.barrier()
+        t1 = time.perf_counter()
+        dcp.load(dtensors(fresh), checkpoint_id=folder)
+    else:
+        path = os.path.join(folder, "state.pt")
+        full = {}
+        for i, s in enumerate(shards):
+            parts = [torch.empty_like(s) for _ in range(world)] if rank == 0 else None
+            tdist.gather(s, parts, dst=0)
+            if rank == 0:
+                full[f"t{i}"] = torch.cat(parts)
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "wb") as f:
+                torch.save(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+        del full
+        tdist.barrier()
+        t1 = time.perf_counter()
+        loaded = torch.load(path, weights_only=True) if rank == 0 else None
+        for i, t in enumerate(fresh):
+            parts = list(loaded[f"t{i}"].chunk(world)) if rank == 0 else None
+            tdist.scatter(t, parts, src=0)
+    tdist.barrier()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, all(torch.equal(a, b) for a, b in zip(shards, fresh))
+
+
+def _rank_main(rank: int, world: int, args: dict) -> dict:
+    import torch.distributed as tdist
+
+    shards, per = _shards(rank, world, args["mib"], args["tensors"])
+    root = args["root"]
+    out: dict[str, Any] = {v: {"save": [], "load": [], "exact": True} for v in args["variants"]}
+    for repeat in range(args["repeats"]):
+        for variant in args["variants"]:
+            folder = os.path.join(root, f"w{world}-{variant}-{repeat}")
+            save_s, load_s, exact = _save_load(variant, shards, per, folder)
+            out[variant]["save"].append(save_s)
+            out[variant]["load"].append(load_s)
+            out[variant]["exact"] &= exact
+            tdist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+    out["bytes"] = per * args["tensors"] * 4
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from course_lib.spawn import spawn
+
+    variants = choose(args.variants, VARIANTS)
+    worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    rows = []
+    root = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.dir)
+    try:
+        for world in worlds:
+            per_rank = spawn(_rank_main, world, {"mib": args.mib, "tensors": args.tensors,
+                                                 "repeats": args.repeats, "variants": variants,
+                                                 "root": root},
+                             backend="gloo", timeout=args.timeout)
+            nbytes = per_rank[0]["bytes"]
+            for variant in variants:
+                save = median(slowest_rank([r[variant]["save"] for r in per_rank]))
+                load = median(slowest_rank([r[variant]["load"] for r in per_rank]))
+                rows.append({"world": world, "variant": variant, "mib": nbytes / 2 ** 20,
+                             "save_s": save, "load_s": load, "save_gbps": nbytes / save / 1e9,
+                             "load_gbps": nbytes / load / 1e9,
+                             "exact": all(r[variant]["exact"] for r in per_rank)})
+            by = {r["variant"]: r for r in rows if r["world"] == world}
+            for r in by.values():
+                if "dcp" in by:
+                    r["save_vs_dcp"] = r["save_s"] / by["dcp"]["save_s"]
+                    r["load_vs_dcp"] = r["load_s"] / by["dcp"]["load_s"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def plot(rows: list[dict], path: str | None = None) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    worlds = sorted({r["world"] for r in rows})
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    for ax, what in zip(axes, ("save_gbps", "load_gbps")):
+        for i, v in enumerate(variants):
+            ys = [next(r[what] for r in rows if r["world"] == w and r["variant"] == v)
+                  for w in worlds]
+            ax.bar([j + i * width for j in range(len(worlds))], ys, width, label=v)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(worlds))],
+                      [f"world {w}" for w in worlds])
+        ax.set_title(what.replace("_gbps", " (GB/s, higher is better)"))
+    axes[0].legend()
+    return finish(fig, path)
