@@ -52,8 +52,12 @@ def test_dead_rank_makes_every_other_rank_raise(tmp_path):
     for rank in set(range(world)) - {victim}:
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         msg = result["error"]
-        assert msg and msg.startswith(f"rank {rank}: all_reduce(ring) "), result
-        assert f"rank {victim}" in msg, msg  # names the dead peer, even if it was not a neighbour
+        first, cause = msg.splitlines()
+        assert first.startswith(f"all_reduce #1 (float32[262144], world) failed on rank {rank}: "
+                                ), result  # the flight recorder's summary, then the cause
+        assert f"rank {victim} did not answer" in first, first
+        assert cause.startswith(f"  cause: rank {rank}: all_reduce(ring) "), result
+        assert f"rank {victim}" in cause, msg  # names the dead peer, even if not a neighbour
         assert result["elapsed"] < GROUP_TIMEOUT / 4, result
 
 

@@ -137,6 +137,7 @@ class Cluster:
         self._procs = ProcessSet()         # every process we started
         self._dead: dict[int, str] = {}
         self._stopped = True
+        self._rendezvous: dict[str, Any] = {}  # what every rank's init got (scratch: addresses)
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class Cluster:
         addresses = self._gather(self._on_all(engine.prepare_backend, self.backend, loopback),
                                  "opening listening sockets", timeout)
         kwargs = backends.rendezvous(self.backend, addresses)
+        self._rendezvous = kwargs
         self._gather(self._on_all(engine.init_backend, self.backend, timeout, **kwargs),
                      f"initializing the {self.backend!r} process group", timeout + 10)
 
@@ -269,6 +271,21 @@ class Cluster:
             self._interrupt([r for r, f in enumerate(futures) if not f.ready()], futures)
             raise
 
+    def flight_records(self, timeout: float = 5.0) -> list[dict | None]:
+        """Every rank's flight record (course_lib.dist's last collectives per group), in rank
+        order, even while the engines are busy or stuck: each rank's listener answers, not its
+        kernel. None for a rank that does not answer within `timeout`."""
+        self._check_usable()
+        if self.backend != "scratch":
+            raise ClusterError(f"flight records come from the scratch backend; this cluster "
+                               f"runs {self.backend!r}")
+        from course_lib.dist.transport import query_record
+
+        addresses, secret = self._rendezvous["addresses"], self._rendezvous["secret"]
+        n = self.world_size
+        return [query_record(addresses[r], secret, (r + 1) % n, r, timeout) if n > 1 else
+                self.run(_own_flight_record)[0] for r in range(n)]
+
     def _check_usable(self) -> None:
         if self._stopped:
             raise ClusterError("this cluster is stopped; start a new one with "
@@ -332,3 +349,9 @@ class Cluster:
             self._init_process_group()
         except ClusterError:
             self.restart()
+
+
+def _own_flight_record() -> dict:
+    from course_lib import dist
+
+    return dist.flight_record()

@@ -7,24 +7,26 @@ Layers, each its own file, bottom up: `wire` (frames, handshake) -> `shm` (large
 rank on this machine) -> `work` (an operation in flight), `matching` (which receive a message
 fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
 travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
-and `collectives` (the API). In every file `op` is a `ReduceOp`, `name` an operation's name,
+and `collectives` (the API); beside them `flight`, each group's record of its collectives and
+the diagnosis when one fails. In every file `op` is a `ReduceOp`, `name` an operation's name,
 `peer` a `Peer` and `peer_rank` the rank at its other end.
 """
 
 from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadcast, gather,
                                          reduce, reduce_scatter, scatter)
 from course_lib.dist.errors import DistError, DistTimeoutError
-from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group, get_address,
-                                   get_backend, get_global_rank, get_process_group_ranks,
-                                   get_rank, get_world_size, init_process_group, is_initialized,
-                                   listen, new_group)
+from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group,
+                                   flight_record, get_address, get_backend, get_debug_level,
+                                   get_global_rank, get_process_group_ranks, get_rank,
+                                   get_world_size, init_process_group, is_initialized, listen,
+                                   new_group, set_debug_level)
 from course_lib.dist.p2p import irecv, isend, recv, send
 from course_lib.dist.work import Work
 
 __all__ = [
     "DistError", "DistTimeoutError", "ProcessGroup", "ReduceOp", "Work",
-    "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group", "gather",
-    "get_address", "get_backend", "get_global_rank", "get_process_group_ranks", "get_rank",
-    "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "listen",
-    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+    "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group",
+    "flight_record", "gather", "get_address", "get_backend", "get_debug_level",
+    "get_global_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "listen",
+    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "set_debug_level",
 ]

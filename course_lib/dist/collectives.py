@@ -23,13 +23,15 @@ ALGORITHMS = ("auto", "naive", "ring", "tree")
 
 
 def _run(group: ProcessGroup | None, name: str, async_op: bool,
-         body: Callable[[ProcessGroup, int], None]) -> Work | None:
-    """Run `body(group, tag)` now, or on the group's worker thread when `async_op`."""
+         body: Callable[[ProcessGroup, int], None],
+         tensor: torch.Tensor | None = None) -> Work | None:
+    """Run `body(group, tag)` now, or on the group's worker thread when `async_op`. The
+    group's flight recorder notes the call, described by `tensor`'s dtype and shape."""
     g = resolve(group, name)
-    tag = g.collective_tag()  # taken in call order, so every rank agrees on it
+    call = g.collective(name, tensor)  # its tag is taken in call order: every rank agrees
     if async_op:
-        return g.submit(lambda: body(g, tag), name)
-    body(g, tag)
+        return g.submit(lambda: call.run(body), name)
+    call.run(body)
     return None
 
 
@@ -125,7 +127,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
             mask >>= 1
         _wait(sends)
 
-    return _run(group, "broadcast", async_op, body)
+    return _run(group, "broadcast", async_op, body, tensor)
 
 
 # %% solutions/02_collectives.ipynb, cell 22
@@ -152,7 +154,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
         _average(acc, p, op)
         _write_back(tensor, acc)
 
-    return _run(group, name, async_op, body)
+    return _run(group, name, async_op, body, tensor)
 
 
 def _check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
@@ -179,7 +181,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
             else:
                 g.recv(out, i, tag, "gather")
 
-    return _run(group, "gather", async_op, body)
+    return _run(group, "gather", async_op, body, tensor)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
@@ -194,7 +196,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         tensor.copy_(scatter_list[root])
         _wait(sends)
 
-    return _run(group, "scatter", async_op, body)
+    return _run(group, "scatter", async_op, body, tensor)
 
 
 # %% solutions/02_collectives.ipynb, cell 36
@@ -247,7 +249,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
         for t, flat in zip(tensor_list, chunks):
             _write_back(t, flat)
 
-    return _run(group, "all_gather", async_op, body)
+    return _run(group, "all_gather", async_op, body, tensor)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
@@ -264,7 +266,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
         _average(chunks[g.rank], g.size, op)
         output.copy_(chunks[g.rank].view(output.shape))
 
-    return _run(group, "reduce_scatter", async_op, body)
+    return _run(group, "reduce_scatter", async_op, body, output)
 
 
 # %% solutions/02_collectives.ipynb, cell 42
@@ -348,7 +350,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         _average(flat, g.size, op)
         _write_back(tensor, flat)
 
-    return _run(group, "all_reduce", async_op, body)
+    return _run(group, "all_reduce", async_op, body, tensor)
 
 
 # %% solutions/02_collectives.ipynb, cell 49

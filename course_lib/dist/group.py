@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from course_lib.dist.errors import DistError
+from course_lib.dist import flight
+from course_lib.dist.errors import DistError, DistTimeoutError
 from course_lib.dist.matching import RecvRequest
 from course_lib.dist.peer import Peer
 from course_lib.dist.work import What, Work, seconds
@@ -25,6 +27,8 @@ from course_lib.dist.transport import Listener, Transport
 
 DEFAULT_TIMEOUT = 300.0
 MAX_TAG = 2 ** 31 - 1
+QUERY_TIMEOUT = 2.0  # how long a failing collective waits for each peer's flight record
+FINGERPRINT_TAGS = 1 << 60  # fingerprint messages' tags sit this far below their collective's
 
 
 class ReduceOp(enum.Enum):
@@ -47,6 +51,8 @@ class ProcessGroup:
         self.rank = self.ranks.index(transport.rank) if transport.rank in self.ranks else -1
         self._seq = itertools.count()
         self._worker: _Worker | None = None
+        self.recorder = flight.Recorder()
+        self.detail = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check fingerprints every call
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, rank={self.rank})"
@@ -66,9 +72,16 @@ class ProcessGroup:
     def deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    def collective_tag(self) -> int:
-        """A fresh negative tag per collective call, so messages of two calls never mix."""
-        return -1 - ((self.id << 32) | (next(self._seq) & 0xFFFFFFFF))
+    @property
+    def description(self) -> str:
+        return "world" if self.id == 0 else f"group {self.id} of ranks {self.ranks}"
+
+    def collective(self, name: str, tensor: torch.Tensor | None) -> "Collective":
+        """The next collective call: its sequence number, a fresh negative tag (so messages of
+        two calls never mix) and its flight-recorder entry, taken in call order on every rank."""
+        seq = next(self._seq)
+        tag = -1 - ((self.id << 32) | (seq & 0xFFFFFFFF))
+        return Collective(self, name, tag, self.recorder.start(seq, name, tensor))
 
     def p2p_tag(self, tag: int) -> int:
         if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
@@ -106,6 +119,77 @@ class ProcessGroup:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.stop()
+
+
+class Collective:
+    """One collective call: `run(body)` runs `body(group, tag)`, recording how it ends; a
+    DistError from it comes back explained by every rank's flight record."""
+
+    def __init__(self, group: ProcessGroup, name: str, tag: int, entry: flight.Entry):
+        self.group, self.name, self.tag, self.entry = group, name, tag, entry
+
+    def run(self, body: Callable[[ProcessGroup, int], None]) -> None:
+        g = self.group
+        try:
+            if g.detail:
+                self._check_fingerprints()
+            body(g, self.tag)
+        except DistError as exc:
+            g.recorder.finish(self.entry, failed=True)
+            raise self._explained(exc) from exc
+        except BaseException:
+            g.recorder.finish(self.entry, failed=True)
+            raise
+        g.recorder.finish(self.entry, failed=False)
+
+    def _check_fingerprints(self) -> None:
+        """Trade fingerprints with every rank of the group; a mismatch fails here, naming both
+        ranks and both calls (torch's DETAIL mode), instead of hanging or mixing data later."""
+        g, mine = self.group, flight.fingerprint(self.entry)
+        tag = self.tag - FINGERPRINT_TAGS
+        others = [r for r in range(g.size) if r != g.rank]
+        sends = [g.isend(mine, r, tag, self.name) for r in others]
+        theirs = {r: torch.empty_like(mine) for r in others}
+        for r in others:
+            g.recv(theirs[r], r, tag, self.name)
+        for work in sends:
+            work.wait()
+        for r in others:
+            other = flight.from_fingerprint(theirs[r])
+            if not flight.same_call(other, self.entry):
+                me, peer = g.transport.rank, g.ranks[r]
+                raise DistError(
+                    f"rank {me}: collectives do not match across ranks: rank {me} called "
+                    f"{self.entry.what(g.description)}, rank {peer} called "
+                    f"{other.what(g.description)}", rank=me, peer_rank=peer,
+                    operation=self.name)
+
+    def _explained(self, exc: DistError) -> DistError:
+        """`exc` with what every other rank's flight record says about this call first."""
+        g = self.group
+        me = g.transport.rank
+        peers = [r for r in g.ranks if r != me]
+        answers: dict[int, Any] = {}
+
+        def ask(r: int) -> None:
+            answers[r] = g.transport.query(r, QUERY_TIMEOUT)
+
+        def lost(r: int) -> bool:  # its own link closed: no use waiting for an answer
+            dead = g.transport.peers[r].dead
+            return dead is not None and not dead.startswith("group aborted")
+
+        threads = [threading.Thread(target=ask, args=(r,), daemon=True)
+                   for r in peers if not lost(r)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(QUERY_TIMEOUT + 1.0)
+        records = {r: (answers.get(r) or {}).get("groups", {}).get(str(g.id), {}).get("entries")
+                   if answers.get(r) is not None else None for r in peers}
+        verb = "timed out" if isinstance(exc, DistTimeoutError) else "failed"
+        text = (f"{self.entry.what(g.description)} {verb} on rank {me}: "
+                f"{flight.diagnose(self.entry, g.description, records)}\n  cause: {exc}")
+        return type(exc)(text, rank=exc.rank, peer_rank=exc.peer_rank, operation=exc.operation)
 
 
 class _Worker:
@@ -146,6 +230,30 @@ class _Worker:
 _listener: Listener | None = None
 _world: ProcessGroup | None = None
 _groups: list[ProcessGroup] = []
+_detail = flight.detail_from_env()
+
+
+def flight_record() -> dict:
+    """This rank's flight record: every group's last collectives, as plain data."""
+    rank = _world.transport.rank if _world is not None else None
+    return {"rank": rank, "groups": {str(g.id): {"ranks": g.ranks, "description": g.description,
+                                                 "entries": g.recorder.snapshot()}
+                                     for g in _groups}}
+
+
+def set_debug_level(level: str) -> None:
+    """"DETAIL" checks every collective's fingerprint across its group (as torch's
+    TORCH_DISTRIBUTED_DEBUG=DETAIL does); "OFF" or "INFO" does not. Call it on every rank."""
+    global _detail
+    if str(level).upper() not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"debug level must be OFF, INFO or DETAIL, got {level!r}")
+    _detail = str(level).upper() == "DETAIL"
+    for g in _groups:
+        g.detail = _detail
+
+
+def get_debug_level() -> str:
+    return "DETAIL" if _detail else "OFF"
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -164,7 +272,7 @@ def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
                        secret: bytes | None = None,
                        timeout: float | timedelta = DEFAULT_TIMEOUT) -> None:
     """Connect to every other rank (each link authenticated with `secret`); sets the world."""
-    global _listener, _world
+    global _listener, _world, _detail
     if backend != "scratch":
         raise ValueError(f"course_lib.dist only has the 'scratch' backend, got {backend!r}")
     if _world is not None:
@@ -186,7 +294,10 @@ def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
     transport = Transport(rank, world_size, list(addresses or [listener.address]),
                           secret or b"", seconds(timeout), listener)
     _world = ProcessGroup(transport, range(world_size), 0, seconds(timeout))
+    _detail = _detail or flight.detail_from_env()  # torch reads its switch at init too
+    _world.detail = _detail
     _groups[:] = [_world]
+    transport.on_query = lambda: json.dumps(flight_record()).encode()
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -229,6 +340,7 @@ def new_group(ranks: Sequence[int] | None = None,
         raise ValueError(f"new_group: ranks must be distinct ranks of the world, got {ranks}")
     group = ProcessGroup(world.transport, ranks, len(_groups),
                          world.timeout if timeout is None else seconds(timeout))
+    group.detail = _detail
     _groups.append(group)
     return group
 

@@ -2,25 +2,33 @@
 
 Lower ranks connect to higher ones; every connection proves the cluster secret both ways
 (`wire.client_handshake` / `wire.server_handshake`) before it becomes a `Peer`. Anything else
-that reaches the listener is logged and closed, and the listener keeps accepting.
+that reaches the listener is logged and closed, and the listener keeps accepting. Once the mesh
+is up, an authenticated connection is a flight-record query (`query_record`): the listener's
+thread answers it with this rank's record as JSON, whatever the rank's main thread is doing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 from course_lib.dist import shm
 from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError
 from course_lib.dist.peer import Peer
-from course_lib.dist.wire import client_handshake, server_handshake
+from course_lib.dist.wire import (ABORT_TAG, HEADER, byte_view, client_handshake, decode_header,
+                                  encode_header, recv_exact, send_frame, server_handshake)
 
 log = logging.getLogger("course_lib.dist")
 SOCKET_BUFFER = 4 << 20  # bytes; Linux doubles it, capped by net.core.[rw]mem_max
 HANDSHAKE_TIMEOUT = 10.0  # an intruder that sends nothing holds one handshake thread this long
+RECORD_TAG = ABORT_TAG + 1  # the frame answering a flight-record query: JSON bytes
+MAX_RECORD_BYTES = 16 << 20
 
 
 def _tune(sock: socket.socket) -> socket.socket:
@@ -96,6 +104,27 @@ def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
             time.sleep(0.02)
 
 
+def query_record(address: tuple[str, int], secret: bytes, as_rank: int, peer_rank: int,
+                 timeout: float) -> Any:
+    """Ask the rank listening at `address` for its flight record (JSON, never pickled),
+    proving the cluster secret as `as_rank`; None if it does not answer within `timeout`."""
+    deadline = time.monotonic() + timeout
+    try:
+        with _connect(address, deadline) as sock:
+            client_handshake(sock, secret, as_rank, peer_rank, deadline)
+            header = bytearray(HEADER.size)
+            recv_exact(sock, memoryview(header), deadline)
+            tag, dtype, shape, nbytes = decode_header(header)
+            if tag != RECORD_TAG or dtype != torch.uint8 or nbytes > MAX_RECORD_BYTES:
+                raise ProtocolError(f"not a flight record (tag {tag}, {nbytes} bytes)")
+            data = bytearray(nbytes)
+            recv_exact(sock, memoryview(data), deadline)
+            return json.loads(data)
+    except (OSError, TimeoutError, ProtocolError, ValueError) as exc:
+        log.info("flight record of rank %d at %s: no answer (%s)", peer_rank, address, exc)
+        return None
+
+
 class Transport:
     """All of this rank's peers; a fatal error on one link aborts the whole group."""
 
@@ -105,6 +134,8 @@ class Transport:
         self.listener, self.addresses = listener, [tuple(a) for a in addresses]
         self.peers: dict[int, Peer] = {}
         self.aborted: str | None = None
+        self.secret = secret
+        self.on_query: Callable[[], bytes] | None = None  # this rank's record, as JSON bytes
         self._cond = threading.Condition()
         self._ready = False
         listener.start(secret, rank, world_size, timeout, self._accepted)
@@ -143,14 +174,32 @@ class Transport:
     def _accepted(self, peer_rank: int, sock: socket.socket, deadline: float) -> None:
         """A connection that passed the handshake: keep it if it is one we are waiting for."""
         with self._cond:
-            expected = (not self._ready and peer_rank < self.rank
-                        and peer_rank not in self.peers)
+            ready = self._ready
+            expected = (not ready and peer_rank < self.rank and peer_rank not in self.peers)
+        if ready and self.on_query is not None:
+            self._answer(sock, deadline)
+            return
         if not expected:
             log.warning("rank %d: rejected an authenticated but unexpected connection claiming "
                         "rank %d", self.rank, peer_rank)
             sock.close()
             return
         self._add(peer_rank, sock, deadline)
+
+    def _answer(self, sock: socket.socket, deadline: float) -> None:
+        """Send this rank's flight record on a query connection, then close it."""
+        try:
+            data = torch.frombuffer(bytearray(self.on_query()), dtype=torch.uint8)
+            send_frame(sock, encode_header(RECORD_TAG, data), byte_view(data), deadline)
+        except (OSError, TimeoutError) as exc:
+            log.info("rank %d: a flight-record query went unanswered: %s", self.rank, exc)
+        finally:
+            sock.close()
+
+    def query(self, peer_rank: int, timeout: float) -> Any:
+        """`peer_rank`'s flight record (see `query_record`), or None."""
+        return query_record(self.addresses[peer_rank], self.secret, self.rank, peer_rank,
+                            timeout)
 
     def peer(self, peer_rank: int) -> Peer:
         """The link to global rank `peer_rank`."""

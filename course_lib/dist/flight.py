@@ -1,0 +1,140 @@
+"""The flight recorder: each group's last collectives on this rank, and what every rank's
+record says when a collective hangs or ranks disagree.
+
+Every collective is an `Entry` (sequence number in its group, op, dtype and shape, start, end,
+state), the last `TRACE_SIZE` kept per group, as NCCL's flight recorder keeps them
+(`TORCH_NCCL_TRACE_BUFFER_SIZE`). When a collective fails, the rank asks every other rank of
+the group for its record (the transport's `query`, answered by the peer's listener thread, so
+a rank asleep or stuck elsewhere still answers) and `diagnose` says who is behind. With
+`TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch's switch, read at init) every collective first trades
+`fingerprint`s with its group, so ranks calling different collectives, shapes or dtypes at
+the same sequence number fail at once, naming both.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+TRACE_SIZE = 2000
+OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
+       "all_reduce", "barrier")
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+           torch.complex128]
+FINGERPRINT_DIMS = 8
+
+
+def detail_from_env() -> bool:
+    """torch's switch: TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective across ranks."""
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
+@dataclass
+class Entry:
+    """One collective as this rank saw it."""
+
+    seq: int
+    op: str
+    dtype: str | None
+    shape: list[int] | None
+    start: float
+    end: float | None = None
+    state: str = "started"  # then "completed" or "failed"
+
+    def what(self, group: str) -> str:
+        """'all_reduce #1583 (float32[1048576], world)'."""
+        data = f"{self.dtype}{self.shape}, " if self.dtype else ""
+        return f"{self.op} #{self.seq} ({data}{group})"
+
+
+def _op_name(name: str) -> str:
+    """'all_reduce(ring)' -> 'all_reduce': the op a fingerprint compares."""
+    return name.split("(", 1)[0]
+
+
+class Recorder:
+    """The last TRACE_SIZE collectives of one group on this rank (thread-safe: async ops
+    finish on the group's worker thread)."""
+
+    def __init__(self) -> None:
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=TRACE_SIZE)
+        self._lock = threading.Lock()
+
+    def start(self, seq: int, name: str, tensor: torch.Tensor | None) -> Entry:
+        entry = Entry(seq, _op_name(name),
+                      None if tensor is None else str(tensor.dtype).removeprefix("torch."),
+                      None if tensor is None else list(tensor.shape), time.time())
+        with self._lock:
+            self.entries.append(entry)
+        return entry
+
+    def finish(self, entry: Entry, failed: bool) -> None:
+        with self._lock:
+            entry.end, entry.state = time.time(), "failed" if failed else "completed"
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [asdict(e) for e in self.entries]
+
+
+def fingerprint(entry: Entry) -> torch.Tensor:
+    """The entry as int64s a peer compares: seq, op, dtype, ndim, the first 8 dims."""
+    shape = entry.shape or []
+    dtype = _DTYPES.index(getattr(torch, entry.dtype)) if entry.dtype else -1
+    dims = (shape + [-1] * FINGERPRINT_DIMS)[:FINGERPRINT_DIMS]
+    return torch.tensor([entry.seq, OPS.index(entry.op), dtype, len(shape), *dims],
+                        dtype=torch.int64)
+
+
+def from_fingerprint(f: torch.Tensor) -> Entry:
+    seq, op, dtype, ndim, *dims = (int(v) for v in f.tolist())
+    return Entry(seq, OPS[op] if 0 <= op < len(OPS) else f"op{op}",
+                 str(_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPES)
+                 else None, dims[:min(ndim, FINGERPRINT_DIMS)] if dtype >= 0 else None, 0.0)
+
+
+def same_call(a: Entry, b: Entry) -> bool:
+    return (a.seq, a.op, a.dtype, a.shape) == (b.seq, b.op, b.dtype, b.shape)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + (
+        ", ".join(map(str, ranks[:-1])) + " and " + str(ranks[-1]) if len(ranks) > 1
+        else str(ranks[0]))
+
+
+def diagnose(entry: Entry, group: str, records: dict[int, list[dict] | None]) -> str:
+    """What every other rank's record says about `entry`: who completed it, who is in it too,
+    and for the rest what they last completed and where they are now."""
+    by_state: dict[str, list[int]] = {"completed": [], "started": [], "failed": []}
+    notes = []
+    for rank, record in sorted(records.items()):
+        if record is None:
+            notes.append(f"rank {rank} did not answer (its process may be gone)")
+            continue
+        entries = [Entry(**e) for e in record]
+        at_seq = [e for e in entries if e.seq == entry.seq]
+        if at_seq and same_call(at_seq[-1], entry):
+            by_state[at_seq[-1].state].append(rank)
+            continue
+        done = [e.seq for e in entries if e.state == "completed" and e.seq < entry.seq]
+        last = f"last completed #{max(done)}" if done else "completed none of this group's"
+        now = [e for e in entries if e.state == "started"]
+        where = (f"is in {now[-1].what(group)}" if now else
+                 f"is not in a collective (it has not called #{entry.seq})")
+        if at_seq and not now:
+            where = f"called {at_seq[-1].what(group)} ({at_seq[-1].state})"
+        notes.append(f"rank {rank} {last} and {where}")
+    done, inside, failed = by_state["completed"], by_state["started"], by_state["failed"]
+    parts = [f"{_ranks(done)} completed it"] if done else []
+    if inside:
+        parts.append(f"{_ranks(inside)} {'is' if len(inside) == 1 else 'are'} in it too")
+    if failed:
+        parts.append(f"{_ranks(failed)} failed in it too")
+    return "; ".join(parts + notes) or "no other rank in the group"

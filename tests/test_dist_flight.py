@@ -1,0 +1,152 @@
+"""The flight recorder: each rank's record of its collectives, and errors that say which rank
+is to blame when one rank sleeps, skips a collective or calls one with another shape.
+
+Every scenario runs on 2, 3 and 4 ranks (the last rank misbehaves after three good
+all_reduces, so the bad call is #3); every other rank must fail within the group's timeout
+plus the time to ask its peers, with an error that names the culprit and what it did.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from course_lib.spawn import spawn
+
+TIMEOUT = 2.0
+SLACK = 4.0  # asking each peer for its record (at most QUERY_TIMEOUT) and scheduling noise
+
+
+def misbehave(rank: int, world: int, case: str, detail: bool) -> dict:
+    from course_lib import dist
+
+    dist.set_debug_level("DETAIL" if detail else "OFF")
+    t = torch.ones(1024)
+    for _ in range(3):
+        dist.all_reduce(t)
+    culprit = world - 1
+    start = time.monotonic()
+    try:
+        if rank == culprit and case == "sleep":
+            time.sleep(TIMEOUT + 1.0)  # too late for all_reduce #3: the others have given up
+            return {"error": None, "seconds": time.monotonic() - start}
+        if case == "skip" and rank != culprit:
+            dist.barrier()  # the culprit skips barrier #3 and calls all_reduce as #3
+        dist.all_reduce(torch.ones(5) if case == "shape" and rank == culprit else t)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except dist.DistError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start,
+                "record": dist.flight_record()}
+
+
+CASES = [("sleep", False, w) for w in (2, 3, 4)] + [("skip", True, w) for w in (2, 3, 4)] + [
+    ("shape", False, w) for w in (2, 3, 4)] + [("skip", False, 4), ("shape", True, 3)]
+
+
+@pytest.mark.parametrize("case, detail, world", CASES)
+def test_the_error_names_the_rank_to_blame(case, detail, world):
+    results = spawn(misbehave, world, case, detail, backend="scratch", timeout=TIMEOUT)
+    culprit = world - 1
+    good = "all_reduce #3 (float32[1024], world)"
+    bad = {"sleep": None, "skip": good, "shape": "all_reduce #3 (float32[5], world)"}[case]
+    for rank, r in enumerate(results[:culprit]):
+        assert r["error"] is not None, f"rank {rank} did not fail"
+        assert r["seconds"] < TIMEOUT + SLACK, (rank, r["seconds"])
+        first = r["error"].splitlines()[0]
+        mine = "barrier #3 (world)" if case == "skip" else good
+        verb = "timed out" if case == "sleep" else "(timed out|failed)"
+        assert re.match(rf"{re.escape(mine)} {verb} on rank {rank}: ", first), first
+        if case == "sleep":
+            assert (f"rank {culprit} last completed #2 and is not in a collective "
+                    f"(it has not called #3)") in first, first
+        else:
+            assert f"rank {culprit} last completed #2 and " in first, first
+            assert bad in first, first
+        if detail:  # at once, not by a timeout: the fingerprints named both calls
+            cause = r["error"].splitlines()[1]
+            assert "collectives do not match across ranks" in cause, cause
+            assert f"rank {culprit} called {bad}" in cause, cause
+    if case != "sleep":  # the culprit's own error names what the others called
+        r = results[culprit]
+        assert r["error"] is not None
+        assert f"rank 0 last completed #2 and " in r["error"].splitlines()[0]
+        assert (("barrier #3 (world)" if case == "skip" else good)
+                in r["error"].splitlines()[0]), r["error"]
+
+
+def record_some(rank: int, world: int) -> dict:
+    from course_lib import dist
+    from course_lib.dist import flight
+
+    dist.all_reduce(torch.zeros(3, 2))
+    dist.barrier()
+    dist.all_gather([torch.zeros(4, dtype=torch.int64) for _ in range(world)],
+                    torch.zeros(4, dtype=torch.int64))
+    group = dist.new_group([0, 1])
+    if rank < 2:
+        dist.broadcast(torch.zeros(7, dtype=torch.float64), 0, group=group)
+    work = dist.all_reduce(torch.zeros(5), async_op=True)
+    work.wait()
+    before = flight.TRACE_SIZE
+    flight.TRACE_SIZE = 4
+    try:
+        small = flight.Recorder()
+    finally:
+        flight.TRACE_SIZE = before
+    for seq in range(10):
+        small.finish(small.start(seq, "barrier", None), failed=False)
+    return {"record": dist.flight_record(), "small": [e["seq"] for e in small.snapshot()]}
+
+
+def test_every_collective_is_recorded_in_its_group():
+    results = spawn(record_some, 3, backend="scratch", timeout=30)
+    for rank, r in enumerate(results):
+        world = r["record"]["groups"]["0"]
+        assert r["record"]["rank"] == rank and world["description"] == "world"
+        got = [(e["seq"], e["op"], e["dtype"], e["shape"], e["state"]) for e in world["entries"]]
+        assert got == [(0, "all_reduce", "float32", [3, 2], "completed"),
+                       (1, "barrier", None, None, "completed"),
+                       (2, "all_gather", "int64", [4], "completed"),
+                       (3, "all_reduce", "float32", [5], "completed")]
+        assert all(e["start"] <= e["end"] for e in world["entries"])
+        sub = r["record"]["groups"]["1"]
+        assert sub["ranks"] == [0, 1]
+        assert [(e["op"], e["dtype"]) for e in sub["entries"]] == (
+            [("broadcast", "float64")] if rank < 2 else [])
+        assert r["small"] == [6, 7, 8, 9]  # only the newest TRACE_SIZE are kept
+
+
+@pytest.mark.cluster
+def test_the_cluster_reads_every_record_while_the_engines_are_stuck():
+    """Rank 1 sits in a barrier rank 0 never joins; the records still come back, from the
+    ranks' listeners, and show rank 1 inside barrier #1."""
+    from course_lib.cluster import ClusterError, start
+
+    def stuck():
+        import time
+
+        from course_lib import dist
+
+        dist.all_reduce(torch.ones(2))
+        if dist.get_rank() == 1:
+            dist.barrier()
+        else:
+            time.sleep(30)
+
+    with start(2, backend="scratch", timeout=60) as c:
+        c.view.apply_async(stuck)
+        deadline = time.monotonic() + 20
+        while True:  # until rank 1 has entered its barrier
+            records = c.flight_records(timeout=5)
+            entries = records[1]["groups"]["0"]["entries"]
+            if len(entries) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
+            (0, "all_reduce", "completed"), (1, "barrier", "started")]
+        assert [e["op"] for e in records[0]["groups"]["0"]["entries"]] == ["all_reduce"]
+    with start(2, backend="none", timeout=60) as c, pytest.raises(ClusterError, match="scratch"):
+        c.flight_records()
