@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import random
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sized
+from typing import Any, Callable, Iterator, Sized
 
 import numpy as np
 import torch
@@ -24,7 +26,8 @@ from course_lib.data import DistributedSampler
 from course_lib.zero import ZeroRedundancyOptimizer, _units, sharded_state_dict
 
 __all__ = ["get_state_dict", "set_state_dict", "rng_state", "set_rng_state",
-           "ResumableSampler", "accumulation_steps", "checkpoints", "CheckpointManager"]
+           "ResumableSampler", "accumulation_steps", "checkpoints", "CheckpointManager",
+           "Failure", "run_with_recovery"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -269,3 +272,39 @@ def _remove(folder: Path) -> None:
     for f in folder.iterdir():
         f.unlink(missing_ok=True)
     folder.rmdir()
+
+
+@dataclass
+class Failure:
+    """One failure `run_with_recovery` survived: which ranks died and why, how long the run
+    had gone when it failed, how long the restart or shrink took, the world size after."""
+
+    dead: dict[int, str]
+    failed_after_s: float
+    recovered_in_s: float
+    world_size: int
+
+
+def run_with_recovery(cluster: Any, fn: Callable[..., Any], *args: Any,
+                      on_failure: str = "restart", max_failures: int = 3,
+                      **kwargs: Any) -> tuple[list[Any], list[Failure]]:
+    """Run `fn(*args, **kwargs)` on every rank of `cluster` until it finishes. When an engine
+    dies, restart every engine (on_failure="restart", as torchrun's --max-restarts does) or go
+    on with the survivors (on_failure="shrink", elastic), then run `fn` again: it must resume
+    from its newest checkpoint. Returns the ranks' results and the failures survived."""
+    from course_lib.cluster import EngineDied
+
+    if on_failure not in ("restart", "shrink"):
+        raise ValueError(f'on_failure must be "restart" or "shrink", got {on_failure!r}')
+    failures: list[Failure] = []
+    while True:
+        started = time.monotonic()
+        try:
+            return cluster.run(fn, *args, **kwargs), failures
+        except EngineDied as exc:
+            if len(failures) >= max_failures:
+                raise
+            noticed = time.monotonic()
+            cluster.shrink() if on_failure == "shrink" else cluster.restart()
+            failures.append(Failure(dict(exc.failures), noticed - started,
+                                    time.monotonic() - noticed, cluster.world_size))

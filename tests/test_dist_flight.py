@@ -72,7 +72,7 @@ def test_the_error_names_the_rank_to_blame(case, detail, world):
     if case != "sleep":  # the culprit's own error names what the others called
         r = results[culprit]
         assert r["error"] is not None
-        assert f"rank 0 last completed #2 and " in r["error"].splitlines()[0]
+        assert "rank 0 last completed #2 and " in r["error"].splitlines()[0]
         assert (("barrier #3 (world)" if case == "skip" else good)
                 in r["error"].splitlines()[0]), r["error"]
 

@@ -66,28 +66,32 @@ def build(kind: str, seed: int, dropout: float):
     return model, opt, sched, ResumableSampler(range(N), shuffle=True, seed=3)
 
 
-def train(parts, start: int, stop: int, rank: int, world: int) -> list[list[int]]:
-    """Steps [start, stop) with gradient accumulation; returns the indices each step read."""
+def train(parts, start: int, stop: int, rank: int, world: int, micro: int = MICRO,
+          after_backward=None) -> list[list[int]]:
+    """Steps [start, stop) with gradient accumulation; returns the indices each step read.
+    `after_backward(step)` runs after each micro-batch's backward (to fail mid-step)."""
     from contextlib import nullcontext
 
     from course_lib.recovery import accumulation_steps
 
     model, opt, sched, sampler = parts
-    accum = accumulation_steps(G, MICRO, world)
+    accum = accumulation_steps(G, micro, world)
     seen = []
-    for _ in range(start, stop):
+    for step in range(start, stop):
         if sampler.position >= N:
             sampler.set_epoch(sampler.epoch + 1)
         mine = list(sampler)[:G // world]
         sampler.position += G
         seen.append(mine)
         for m in range(accum):
-            idx = mine[m * MICRO:(m + 1) * MICRO]
+            idx = mine[m * micro:(m + 1) * micro]
             last = m == accum - 1
             sync = model.no_sync() if (hasattr(model, "no_sync") and not last) else nullcontext()
             with sync:
                 loss = nn.functional.mse_loss(model(DATA[0][idx]), DATA[1][idx]) / accum
                 loss.backward()
+            if after_backward is not None:
+                after_backward(step)
         opt.step()
         opt.zero_grad()
         sched.step()

@@ -172,7 +172,12 @@ class Cluster:
         for info in self._info:
             if info["host"] == local:
                 self._procs.add(info["pid"])
-        watch = _watchdog(self._procs.recorded)
+        self._give_ranks(_watchdog(self._procs.recorded))
+
+    def _give_ranks(self, watch: dict | None) -> None:
+        """Tell each engine of `self._ids` its rank and the world size (and, once, to watch
+        this client); `%%px` then runs on them in rank order."""
+        local = socket.gethostname()
         self._view = self._client.direct_view(self._ids)
         self._view.block = True  # `%%px` waits for its cell and shows the output
         self._view.use_cloudpickle()
@@ -203,6 +208,27 @@ class Cluster:
         self.stop()
         self._dead.clear()
         self._start()
+        return self
+
+    def shrink(self) -> "Cluster":
+        """Go on with the engines still alive (elastic): drop the dead ranks, renumber the
+        survivors 0..m-1 in their old order and build a new process group among them. Their
+        Python state is kept; the world size is now m."""
+        if self._stopped:
+            raise ClusterError("shrink: this cluster is stopped")
+        if not self._dead:
+            raise ClusterError("shrink: no rank has died, so there is nothing to drop")
+        if self.backend == "mpi":
+            raise ClusterError("shrink: an MPI world cannot lose ranks; call .restart()")
+        live = [r for r in range(self.world_size) if r not in self._dead]
+        if not live:
+            raise ClusterError("shrink: every rank has died; call .restart()")
+        self._ids = [self._ids[r] for r in live]
+        self._info = [self._info[r] for r in live]
+        self.world_size = len(live)
+        self._dead.clear()
+        self._give_ranks(None)  # the survivors already watch this client
+        self._init_process_group()
         return self
 
     def stop(self) -> None:
