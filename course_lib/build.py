@@ -27,7 +27,7 @@ BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 CODE_STUB = ("# YOUR CODE HERE", "raise NotImplementedError")
 MARKDOWN_STUB = ("YOUR ANSWER HERE",)
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+(\S+)\s*$")
-_EXPORT = re.compile(r"^#\|\s*export\s*$")
+_EXPORT = re.compile(r"^#\|\s*export(?:\s+(\S+))?\s*$")  # nbdev's: `#| export other.module`
 _DIRECTIVE = re.compile(r"^#\|")  # any build directive line: the student release has none
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -140,9 +140,10 @@ def public_names(body: str, where: str) -> list[str]:
     return [n for n in names if not n.startswith("_")]
 
 
-def exported_module(nb: nbformat.NotebookNode, name: str) -> tuple[str, str] | None:
-    """(relative module path, file text) for a notebook's `#| export` cells, or None."""
-    module, bodies, names = None, [], []
+def exported_modules(nb: nbformat.NotebookNode, name: str) -> dict[str, str]:
+    """{relative module path: file text} for a notebook's `#| export` cells: each goes to the
+    `#| default_exp` module, or to the one it names (`#| export checkpoint`), as in nbdev."""
+    default, cells = None, {}
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -150,30 +151,37 @@ def exported_module(nb: nbformat.NotebookNode, name: str) -> tuple[str, str] | N
         first = _first_line(cell.source)
         match = _DEFAULT_EXP.match(first)
         if match:
-            if module is not None:
-                raise BuildError(f"{where}: second '#| default_exp' (already {module!r})")
-            module = match.group(1)
-            if not _MODULE.match(module):
-                raise BuildError(f"{where}: {module!r} is not a dotted module name")
-        elif _EXPORT.match(first):
+            if default is not None:
+                raise BuildError(f"{where}: second '#| default_exp' (already {default!r})")
+            default = match.group(1)
+            if not _MODULE.match(default):
+                raise BuildError(f"{where}: {default!r} is not a dotted module name")
+        elif (match := _EXPORT.match(first)):
+            target = match.group(1)
+            if target is not None and not _MODULE.match(target):
+                raise BuildError(f"{where}: {target!r} is not a dotted module name")
             body = export_source(cell.source.split("\n", 1)[1] if "\n" in cell.source else "",
                                  where).strip("\n")
             for n, line in enumerate(body.split("\n"), 2):
                 if line.lstrip().startswith(("%", "!")):
                     raise BuildError(f"{where}, line {n}: magics cannot be exported: {line!r}")
-            names += [n for n in public_names(body, where) if n not in names]
-            bodies.append(CELL_MARKER.format(notebook=f"{SOLUTIONS}/{name}", index=i)
-                          + "\n" + body)
-    if not bodies:
-        return None
-    if module is None:
+            cells.setdefault(target, []).append((i, body, where))
+    if None in cells and default is None:
         raise BuildError(f"{SOLUTIONS}/{name}: '#| export' cells but no '#| default_exp' cell")
-    path = f"{PACKAGE}/{module.replace('.', '/')}.py"
+    return dict(_module_text(target or default, found, name) for target, found in cells.items())
+
+
+def _module_text(module: str, cells: list[tuple[int, str, str]], name: str) -> tuple[str, str]:
+    """(path, text) of one generated module: header, then each cell after its marker."""
+    bodies, names = [], []
+    for i, body, where in cells:
+        names += [n for n in public_names(body, where) if n not in names]
+        bodies.append(CELL_MARKER.format(notebook=f"{SOLUTIONS}/{name}", index=i) + "\n" + body)
     # After the first cell (the module docstring and imports), as early as Python allows.
     listed = "__all__ = [" + ", ".join(f'"{n}"' for n in names) + "]"
     bodies[0] += "\n\n" + "\n".join(_wrap(listed))
     text = HEADER.format(notebook=f"{SOLUTIONS}/{name}") + "\n" + "\n\n\n".join(bodies) + "\n"
-    return path, text
+    return f"{PACKAGE}/{module.replace('.', '/')}.py", text
 
 
 def _wrap(line: str, width: int = 100) -> list[str]:
@@ -196,9 +204,7 @@ def expected_files(root: Path) -> dict[str, bytes]:
     for src in sorted((root / SOLUTIONS).glob("*.ipynb")):
         nb = _read(src)
         files[f"{NOTEBOOKS}/{src.name}"] = _dump(student_notebook(nb, src.name))
-        module = exported_module(nb, src.name)
-        if module:
-            path, text = module
+        for path, text in exported_modules(nb, src.name).items():
             if path in owners:
                 raise BuildError(f"{path} is exported by both {owners[path]} and {src.name}")
             owners[path] = src.name

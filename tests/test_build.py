@@ -100,25 +100,30 @@ def test_generated_modules_mark_each_cell_and_list_their_names():
     an `__all__` of the public names those cells define, in order."""
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
         nb = build._read(path)
-        module = build.exported_module(nb, path.name)
-        if module is None:
-            continue
-        rel, text = module
+        modules = build.exported_modules(nb, path.name)
         exported = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
                     and c.source.startswith("#| export")]
-        markers = [int(m) for m in re.findall(rf"^# %% solutions/{re.escape(path.name)}, "
-                                              r"cell (\d+)$", text, re.M)]
-        assert markers == exported, rel
-        assert (ROOT / rel).read_text() == text, f"{rel} is stale: run course_lib.build"
-        mod = importlib.import_module(rel[:-3].replace("/", "."))
-        listed = mod.__all__
-        assert len(set(listed)) == len(listed), rel
-        for name in listed:
-            assert hasattr(mod, name) and not name.startswith("_"), (rel, name)
-        defined = {n for n, v in vars(mod).items() if not n.startswith("_")
-                   and (inspect.isfunction(v) or inspect.isclass(v))
-                   and v.__module__ == mod.__name__}
-        assert defined <= set(listed), (rel, defined - set(listed))
+        marked = []
+        for rel, text in modules.items():
+            marked += [int(m) for m in re.findall(rf"^# %% solutions/{re.escape(path.name)}, "
+                                                  r"cell (\d+)$", text, re.M)]
+        assert sorted(marked) == exported, path.name  # every exported cell, in one module
+        for rel, text in modules.items():
+            _check_module(rel, text)
+
+
+def _check_module(rel: str, text: str) -> None:
+    """A generated module is current, its `__all__` lists what its cells define, no more."""
+    assert (ROOT / rel).read_text() == text, f"{rel} is stale: run course_lib.build"
+    mod = importlib.import_module(rel[:-3].replace("/", "."))
+    listed = mod.__all__
+    assert len(set(listed)) == len(listed), rel
+    for name in listed:
+        assert hasattr(mod, name) and not name.startswith("_"), (rel, name)
+    defined = {n for n, v in vars(mod).items() if not n.startswith("_")
+               and (inspect.isfunction(v) or inspect.isclass(v))
+               and v.__module__ == mod.__name__}
+    assert defined <= set(listed), (rel, defined - set(listed))
 
 
 def test_build_is_byte_stable(repo: Path):
@@ -187,11 +192,28 @@ def test_export_errors(repo: Path):
     nb = nbformat.read(path, as_version=4)
     nb.cells[1].source = "# no default_exp here"
     with pytest.raises(build.BuildError, match="no '#| default_exp' cell"):
-        build.exported_module(nb, path.name)
+        build.exported_modules(nb, path.name)
     nb.cells[1].source = "#| default_exp fixture_mod"
     nb.cells[6].source = "#| export\n%time TAU = 1"
     with pytest.raises(build.BuildError, match="magics cannot be exported"):
-        build.exported_module(nb, path.name)
+        build.exported_modules(nb, path.name)
+    nb.cells[6].source = "#| export not-a-module\nTAU = 1"
+    with pytest.raises(build.BuildError, match="'not-a-module' is not a dotted module name"):
+        build.exported_modules(nb, path.name)
+
+
+def test_a_cell_can_export_to_another_module(repo: Path):
+    """nbdev's `#| export other`: that cell goes to course_lib/other.py, the rest stay."""
+    path = repo / "solutions" / "90_fixture.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[6].source = "#| export fixture_extra\nTAU = 2 * 3.0"
+    nbformat.write(nb, path)
+    build.build(repo)
+    extra = (repo / "course_lib" / "fixture_extra.py").read_text()
+    assert extra.endswith("# %% solutions/90_fixture.ipynb, cell 6\nTAU = 2 * 3.0\n\n"
+                          '__all__ = ["TAU"]\n')
+    assert "TAU" not in (repo / "course_lib" / "fixture_mod.py").read_text()
+    assert build.stale(repo) == []
 
 
 def test_editing_a_lesson_export_cell_in_a_copy_of_this_repo_fails_check(tmp_path: Path):
@@ -208,5 +230,6 @@ def test_editing_a_lesson_export_cell_in_a_copy_of_this_repo_fails_check(tmp_pat
     nb = nbformat.read(path, as_version=4)
     nb.cells[index].source += "\n# an edit nobody rebuilt"
     nbformat.write(nb, path)
-    module = build.exported_module(nb, path.name)[0]
+    (module,) = [rel for rel, text in build.exported_modules(nb, path.name).items()
+                 if f"cell {index}\n" in text]
     assert build.stale(tmp_path) == [f"stale: {module}", f"stale: notebooks/{path.name}"]
