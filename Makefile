@@ -19,3 +19,4 @@ bench:
 	$(PYTHON) course.py bench pipeline --stages 2,4 --json bench-results/pipeline.json --plot bench-results/pipeline.png
 	$(PYTHON) course.py bench zero --world 2 --json bench-results/zero-w2.json --plot bench-results/zero-w2.png
 	$(PYTHON) course.py bench zero --world 4 --no-peak --json bench-results/zero-w4.json
+	$(PYTHON) course.py bench checkpoint --worlds 2,4 --json bench-results/checkpoint.json --plot bench-results/checkpoint.png

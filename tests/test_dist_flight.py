@@ -1,9 +1,10 @@
 """The flight recorder: each rank's record of its collectives, and errors that say which rank
 is to blame when one rank sleeps, skips a collective or calls one with another shape.
 
-Every scenario runs on 2, 3 and 4 ranks (the last rank misbehaves after three good
-all_reduces, so the bad call is #3); every other rank must fail within the group's timeout
-plus the time to ask its peers, with an error that names the culprit and what it did.
+Every scenario runs on 2, 3 and 4 ranks, each in a group of its own within one spawn per world
+size (the last rank misbehaves after three good all_reduces, so the bad call is #3); every
+other rank must fail within the group's timeout plus the time to ask its peers, with an error
+that names the culprit and what it did.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ TIMEOUT = 2.0
 SLACK = 4.0  # asking each peer for its record (at most QUERY_TIMEOUT) and scheduling noise
 
 
-def misbehave(rank: int, world: int, case: str, detail: bool) -> dict:
-    from course_lib import dist
-
-    dist.set_debug_level("DETAIL" if detail else "OFF")
+def misbehave(dist, group, case: str) -> dict:
+    """Three good all_reduces on `group`, then the last rank misbehaves in call #3."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     t = torch.ones(1024)
     for _ in range(3):
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     culprit = world - 1
     start = time.monotonic()
     try:
@@ -34,47 +34,65 @@ def misbehave(rank: int, world: int, case: str, detail: bool) -> dict:
             time.sleep(TIMEOUT + 1.0)  # too late for all_reduce #3: the others have given up
             return {"error": None, "seconds": time.monotonic() - start}
         if case == "skip" and rank != culprit:
-            dist.barrier()  # the culprit skips barrier #3 and calls all_reduce as #3
-        dist.all_reduce(torch.ones(5) if case == "shape" and rank == culprit else t)
+            dist.barrier(group=group)  # the culprit skips barrier #3 and calls all_reduce as #3
+        dist.all_reduce(torch.ones(5) if case == "shape" and rank == culprit else t,
+                        group=group)
         return {"error": None, "seconds": time.monotonic() - start}
     except dist.DistError as exc:
-        return {"error": str(exc), "seconds": time.monotonic() - start,
-                "record": dist.flight_record()}
+        return {"error": str(exc), "seconds": time.monotonic() - start}
 
 
-CASES = [("sleep", False, w) for w in (2, 3, 4)] + [("skip", True, w) for w in (2, 3, 4)] + [
-    ("shape", False, w) for w in (2, 3, 4)] + [("skip", False, 4), ("shape", True, 3)]
+def every_case(rank: int, world: int, cases: list) -> dict:
+    """Each case on a group of its own (a fresh sequence), the ranks meeting in between."""
+    from course_lib import dist
+
+    meet = dist.new_group(timeout=60.0)
+    out = {}
+    for case, detail in cases:
+        dist.set_debug_level("DETAIL" if detail else "OFF")
+        group = dist.new_group(timeout=TIMEOUT)
+        out[case, detail] = {**misbehave(dist, group, case), "group": group.description}
+        dist.set_debug_level("OFF")
+        dist.barrier(group=meet)
+    return out
 
 
-@pytest.mark.parametrize("case, detail, world", CASES)
-def test_the_error_names_the_rank_to_blame(case, detail, world):
-    results = spawn(misbehave, world, case, detail, backend="scratch", timeout=TIMEOUT)
+CASES = {2: [("sleep", False), ("skip", True), ("shape", False)],
+         3: [("sleep", False), ("skip", True), ("shape", False), ("shape", True)],
+         4: [("sleep", False), ("skip", True), ("shape", False), ("skip", False)]}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_error_names_the_rank_to_blame(world):
+    by_rank = spawn(every_case, world, CASES[world], backend="scratch", timeout=60)
     culprit = world - 1
-    good = "all_reduce #3 (float32[1024], world)"
-    bad = {"sleep": None, "skip": good, "shape": "all_reduce #3 (float32[5], world)"}[case]
-    for rank, r in enumerate(results[:culprit]):
-        assert r["error"] is not None, f"rank {rank} did not fail"
-        assert r["seconds"] < TIMEOUT + SLACK, (rank, r["seconds"])
-        first = r["error"].splitlines()[0]
-        mine = "barrier #3 (world)" if case == "skip" else good
-        verb = "timed out" if case == "sleep" else "(timed out|failed)"
-        assert re.match(rf"{re.escape(mine)} {verb} on rank {rank}: ", first), first
-        if case == "sleep":
-            assert (f"rank {culprit} last completed #2 and is not in a collective "
-                    f"(it has not called #3)") in first, first
-        else:
-            assert f"rank {culprit} last completed #2 and " in first, first
-            assert bad in first, first
-        if detail:  # at once, not by a timeout: the fingerprints named both calls
-            cause = r["error"].splitlines()[1]
-            assert "collectives do not match across ranks" in cause, cause
-            assert f"rank {culprit} called {bad}" in cause, cause
-    if case != "sleep":  # the culprit's own error names what the others called
-        r = results[culprit]
-        assert r["error"] is not None
-        assert "rank 0 last completed #2 and " in r["error"].splitlines()[0]
-        assert (("barrier #3 (world)" if case == "skip" else good)
-                in r["error"].splitlines()[0]), r["error"]
+    for case, detail in CASES[world]:
+        results = [r[case, detail] for r in by_rank]
+        where = results[0]["group"]
+        good = f"all_reduce #3 (float32[1024], {where})"
+        bad = {"sleep": None, "skip": good,
+               "shape": f"all_reduce #3 (float32[5], {where})"}[case]
+        for rank, r in enumerate(results[:culprit]):
+            assert r["error"] is not None, f"{case}: rank {rank} did not fail"
+            assert r["seconds"] < TIMEOUT + SLACK, (case, rank, r["seconds"])
+            first = r["error"].splitlines()[0]
+            mine = f"barrier #3 ({where})" if case == "skip" else good
+            verb = "timed out" if case == "sleep" else "(timed out|failed)"
+            assert re.match(rf"{re.escape(mine)} {verb} on rank {rank}: ", first), first
+            if case == "sleep":
+                assert (f"rank {culprit} last completed #2 and is not in a collective "
+                        f"(it has not called #3)") in first, first
+            else:
+                assert f"rank {culprit} last completed #2 and " in first, first
+                assert bad in first, first
+            if detail:  # at once, not by a timeout: the fingerprints named both calls
+                cause = r["error"].splitlines()[1]
+                assert "collectives do not match across ranks" in cause, cause
+                assert f"rank {culprit} called {bad}" in cause, cause
+        if case != "sleep":  # the culprit's own error names what the others called
+            first = results[culprit]["error"].splitlines()[0]
+            assert "rank 0 last completed #2 and " in first, first
+            assert (f"barrier #3 ({where})" if case == "skip" else good) in first, first
 
 
 def record_some(rank: int, world: int) -> dict:
@@ -120,33 +138,42 @@ def test_every_collective_is_recorded_in_its_group():
 
 
 @pytest.mark.cluster
-def test_the_cluster_reads_every_record_while_the_engines_are_stuck():
-    """Rank 1 sits in a barrier rank 0 never joins; the records still come back, from the
-    ranks' listeners, and show rank 1 inside barrier #1."""
-    from course_lib.cluster import ClusterError, start
+def test_the_cluster_reads_every_record_while_the_engines_are_stuck(scratch_cluster_4,
+                                                                    monkeypatch):
+    """Rank 1 sits in a barrier the others never join; the records still come back, from the
+    ranks' listeners, and show rank 1 inside barrier #1 of its group."""
+    from course_lib.cluster import ClusterError
 
     def stuck():
         import time
 
         from course_lib import dist
 
-        dist.all_reduce(torch.ones(2))
+        group = dist.new_group(timeout=4.0)
+        dist.all_reduce(torch.ones(2), group=group)
         if dist.get_rank() == 1:
-            dist.barrier()
+            try:
+                dist.barrier(group=group)
+            except dist.DistError:
+                return "gave up"
         else:
-            time.sleep(30)
+            time.sleep(3.0)
+        return str(group.id)
 
-    with start(2, backend="scratch", timeout=60) as c:
-        c.view.apply_async(stuck)
-        deadline = time.monotonic() + 20
-        while True:  # until rank 1 has entered its barrier
-            records = c.flight_records(timeout=5)
-            entries = records[1]["groups"]["0"]["entries"]
-            if len(entries) == 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
-            (0, "all_reduce", "completed"), (1, "barrier", "started")]
-        assert [e["op"] for e in records[0]["groups"]["0"]["entries"]] == ["all_reduce"]
-    with start(2, backend="none", timeout=60) as c, pytest.raises(ClusterError, match="scratch"):
+    c = scratch_cluster_4
+    running = c.view.apply_async(stuck)
+    deadline = time.monotonic() + 3.0
+    while True:  # until rank 1 has entered its barrier
+        records = c.flight_records(timeout=5)
+        newest = max(records[1]["groups"], key=int)
+        entries = records[1]["groups"][newest]["entries"]
+        if len(entries) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
+        (0, "all_reduce", "completed"), (1, "barrier", "started")]
+    assert [e["op"] for e in records[0]["groups"][newest]["entries"]] == ["all_reduce"]
+    assert running.get(timeout=30)[1] == "gave up"
+    monkeypatch.setattr(c, "backend", "gloo")
+    with pytest.raises(ClusterError, match="come from the scratch backend"):
         c.flight_records()
