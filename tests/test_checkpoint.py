@@ -277,3 +277,57 @@ def test_a_writer_killed_at_random_moments_never_leaves_a_broken_newest(tmp_path
         assert step is not None and step >= start
         assert_state_equal(got, state(step, size=1_000_000))
         start = step + 1
+
+
+def sharded(step: int, rank: int, world: int) -> dict:
+    """Rank `rank`'s piece of a 3000-element tensor (its values depend on the step)."""
+    whole = torch.arange(3000, dtype=torch.float64) + 1000 * step
+    size = -(-3000 // world)
+    lo, hi = rank * size, min(3000, (rank + 1) * size)
+    return {"w": Piece(whole[lo:hi].clone(), lo, torch.Size([3000])), "step": step}
+
+
+def die_while_saving(rank: int, world: int, root: str) -> None:
+    """Save step 1; then rank 1 is SIGKILLed half-way through writing its shard of step 2."""
+    import json
+
+    from course_lib import checkpoint as ck
+
+    manager = CheckpointManager(root, keep=3)
+    manager.save(sharded(1, rank, world), 1)
+    if rank == 1:
+        real = ck.write_atomic
+
+        class DieHalfway(list):
+            def __iter__(self):
+                for i, part in enumerate(list.__iter__(self)):
+                    if i == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    yield part
+
+        ck.write_atomic = lambda path, parts: real(path, DieHalfway(parts))
+    try:
+        manager.save(sharded(2, rank, world), 2)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001 - what the survivors saw
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(root, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
+    """On 3 ranks: every survivor's save fails (naming the dead rank), step 2 never gets a
+    manifest, and step 1 loads whole on one process."""
+    import json
+
+    from course_lib.spawn import SpawnError, spawn
+
+    with pytest.raises(SpawnError) as info:
+        spawn(die_while_saving, 3, str(tmp_path), backend="scratch", timeout=30)
+    assert set(info.value.failures) == {1}
+    for rank in (0, 2):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome and "rank 1" in outcome, outcome
+    assert not (tmp_path / "step-000000002" / checkpoint.MANIFEST).exists()
+    got = {"w": torch.zeros(3000, dtype=torch.float64), "step": 0}
+    assert CheckpointManager(tmp_path).load_latest(got) == 1
+    assert torch.equal(got["w"], torch.arange(3000, dtype=torch.float64) + 1000) and got["step"] == 1
