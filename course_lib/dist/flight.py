@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from course_lib.dist.wire import DTYPE_CODE, DTYPES
+
 TRACE_SIZE = 2000
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
        "all_reduce", "barrier")
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8,
-           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
-           torch.complex128]
 FINGERPRINT_DIMS = 8
 
 
@@ -86,7 +85,7 @@ class Recorder:
 def fingerprint(entry: Entry) -> torch.Tensor:
     """The entry as int64s a peer compares: seq, op, dtype, ndim, the first 8 dims."""
     shape = entry.shape or []
-    dtype = _DTYPES.index(getattr(torch, entry.dtype)) if entry.dtype else -1
+    dtype = DTYPE_CODE[getattr(torch, entry.dtype)] if entry.dtype else -1
     dims = (shape + [-1] * FINGERPRINT_DIMS)[:FINGERPRINT_DIMS]
     return torch.tensor([entry.seq, OPS.index(entry.op), dtype, len(shape), *dims],
                         dtype=torch.int64)
@@ -95,7 +94,7 @@ def fingerprint(entry: Entry) -> torch.Tensor:
 def from_fingerprint(f: torch.Tensor) -> Entry:
     seq, op, dtype, ndim, *dims = (int(v) for v in f.tolist())
     return Entry(seq, OPS[op] if 0 <= op < len(OPS) else f"op{op}",
-                 str(_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPES)
+                 str(DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(DTYPES)
                  else None, dims[:min(ndim, FINGERPRINT_DIMS)] if dtype >= 0 else None, 0.0)
 
 

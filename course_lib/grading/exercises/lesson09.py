@@ -131,9 +131,8 @@ register(Exercise(
 def _pieces(numel: int, world: int) -> list[tuple[int, int]]:
     """(offset, numel) of each rank's piece when `numel` elements are sharded as ZeRO does
     (padded to a multiple of the world; the last ranks may hold less, or nothing)."""
-    size = -(-numel // world)
-    return [(r * size, max(0, min(numel, (r + 1) * size) - r * size)) for r in range(world)
-            if r * size < numel]
+    spans = [_want(numel, world, r) for r in range(world)]
+    return [(a, b - a) for a, b in spans if a < numel]
 
 
 def plan_harness(fn, saved: list, start: int, stop: int) -> list:
@@ -158,8 +157,11 @@ _RESHARDS = [(13, 4, 2, 0), (13, 4, 2, 1), (10, 2, 3, 1), (10, 2, 3, 2), (17, 3,
 
 
 def _want(numel: int, world: int, rank: int) -> tuple[int, int]:
-    size = -(-numel // world)
-    return min(numel, rank * size), min(numel, (rank + 1) * size)
+    """The elements [start, stop) `rank` of `world` owns (lesson 08's shard_range, unpadded)."""
+    from course_lib.zero import shard_range
+
+    start, stop = shard_range(numel, world, rank)
+    return min(numel, start), min(numel, stop)
 
 
 register(Exercise(
