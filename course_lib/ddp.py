@@ -10,8 +10,10 @@ Built in the lesson's steps: one all_reduce per parameter, one flat buffer, buck
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +25,8 @@ MiB = 1024 * 1024
 __all__ = ["MiB", "grads_of", "flatten_into", "unflatten_to_grads", "broadcast_coalesced",
     "allreduce_grads_per_param", "allreduce_grads_flat", "make_buckets", "allreduce_grads_bucketed",
     "buckets_to_launch", "is_view_of", "stage_grad", "check_same_tensors",
-    "DistributedDataParallel", "launch_bucket", "on_grad_ready", "finish_backward"]
+    "DistributedDataParallel", "COMM_HOOK_TIMEOUT", "GradBucket", "check_comm_hook",
+    "run_comm_hook", "launch_bucket", "on_grad_ready", "finish_backward"]
 
 
 # %% solutions/04_data_parallel.ipynb, cell 9
@@ -146,14 +149,14 @@ def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
             and grad.stride() == view.stride())
 
 
-def stage_grad(grad: torch.Tensor | None, view: torch.Tensor, world_size: int) -> None:
-    """Put `grad / world_size` into its bucket slice `view` in one pass (zeros for no grad)."""
+def stage_grad(grad: torch.Tensor | None, view: torch.Tensor, divisor: int) -> None:
+    """Put `grad / divisor` into its bucket slice `view` in one pass (zeros for no grad)."""
     if grad is None:
         view.zero_()
     elif is_view_of(grad, view):  # accumulated in place (the grad already is the slice)
-        view.div_(world_size)
+        view.div_(divisor)
     else:
-        torch.div(grad, world_size, out=view)
+        torch.div(grad, divisor, out=view)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -240,6 +243,8 @@ class DistributedDataParallel(nn.Module):
         self.src = global_rank(self.dist, group, 0)  # the group's first rank
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        self.grad_divisor = self.world_size  # 1 once a comm hook averages (register_comm_hook)
+        self.comm_hook: tuple[Any, Callable] | None = None
         self.require_backward_grad_sync = True  # what no_sync() turns off
         self._sync_buffers_next_forward = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -304,7 +309,25 @@ class DistributedDataParallel(nn.Module):
         bucket.work = _TimedWork(self.start_all_reduce(bucket), bucket)
 
     def start_all_reduce(self, bucket: _Bucket) -> Any:
+        if self.comm_hook is not None:
+            return run_comm_hook(self, bucket)
         return launch_bucket(self, bucket)
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduce every bucket with `hook(state, bucket) -> torch.futures.Future` instead of
+        one all_reduce, as torch's DDP does: the bucket then holds the sum of this rank's
+        gradients, not divided by the world size, and the hook averages (course_lib.comm_hooks
+        has compression hooks, lesson 10)."""
+        check_comm_hook(hook)
+        if self.comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook can be called only once")
+        if self.find_unused_parameters:
+            raise NotImplementedError("DistributedDataParallel: communication hooks with "
+                                      "find_unused_parameters=True are not supported")
+        if self.in_backward:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook: register the hook "
+                               "before training, not during a backward")
+        self.comm_hook, self.grad_divisor = (state, hook), 1
 
     def end_of_backward(self) -> None:
         """Queued by the first hook: autograd calls it once backward is over."""
@@ -329,19 +352,97 @@ class DistributedDataParallel(nn.Module):
 
 
 # %% solutions/04_data_parallel.ipynb, cell 38
+COMM_HOOK_TIMEOUT = 300.0  # seconds a bucket's hook future may take before it is an error
+
+
+class GradBucket:
+    """What a communication hook sees of a bucket (torch.distributed.GradBucket's methods)."""
+
+    def __init__(self, index: int, bucket: _Bucket, last: bool):
+        self._index, self._bucket, self._last = index, bucket, last
+        self._buffer = bucket.flat[:bucket.numel]
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket reduced in a backward (the first layers)."""
+        return self._last
+
+
+def check_comm_hook(hook: Callable) -> None:
+    """A clear error now, not in the middle of backward, for a hook that is not hook(state, bucket)."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    try:
+        inspect.signature(hook).bind(None, None)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"register_comm_hook: hook must take (state, bucket), as torch's "
+                        f"hooks do: {getattr(hook, '__name__', hook)!r} {exc}") from None
+
+
+class _HookWork:
+    """Waits, bounded, for a hook's future and puts its value (the reduced buffer) in place."""
+
+    def __init__(self, future: Any, buffer: torch.Tensor, what: str):
+        if not callable(getattr(future, "wait", None)) or not hasattr(future, "add_done_callback"):
+            raise TypeError(f"{what} must return a torch.futures.Future, got "
+                            f"{type(future).__name__}")
+        self.future, self.buffer, self.what = future, buffer, what
+        self.event = threading.Event()
+        future.add_done_callback(lambda _: self.event.set())
+
+    def wait(self) -> bool:
+        if not self.event.wait(COMM_HOOK_TIMEOUT):
+            raise TimeoutError(f"{self.what} did not complete within {COMM_HOOK_TIMEOUT:g}s")
+        value = self.future.wait()
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != self.buffer.numel():
+            raise RuntimeError(f"{self.what} returned {type(value).__name__} "
+                               f"{list(getattr(value, 'shape', []))}; expected the reduced "
+                               f"buffer of {self.buffer.numel()} elements")
+        if value.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(value.reshape(-1))
+        return True
+
+
+def run_comm_hook(ddp: "DistributedDataParallel", bucket: _Bucket) -> _HookWork:
+    """Call the registered hook on `bucket`; its Work-like result waits for the hook's future."""
+    state, hook = ddp.comm_hook
+    index = ddp.buckets.index(bucket)
+    what = (f"rank {ddp.dist.get_rank()}: DistributedDataParallel: communication hook "
+            f"{getattr(hook, '__name__', 'hook')} on bucket {index}")
+    grad_bucket = GradBucket(index, bucket, index == len(ddp.buckets) - 1)
+    return _HookWork(hook(state, grad_bucket), grad_bucket.buffer(), what)
+
+
+# %% solutions/04_data_parallel.ipynb, cell 40
 def launch_bucket(ddp: "DistributedDataParallel", bucket: _Bucket) -> Any:
     """Start `bucket`'s asynchronous all_reduce of its whole flat buffer; return its Work."""
     with torch.no_grad():
         for p, view in zip(bucket.params, bucket.views):
             if id(p) not in bucket.ready:  # got no gradient (find_unused_parameters)
-                stage_grad(p.grad, view, ddp.world_size)
+                stage_grad(p.grad, view, ddp.grad_divisor)
         if ddp.find_unused_parameters:
             bucket.flat[bucket.numel:] = torch.tensor(
                 [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
     return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
 
 
-# %% solutions/04_data_parallel.ipynb, cell 41
+# %% solutions/04_data_parallel.ipynb, cell 43
 def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
     """The hook: `p`'s gradient is ready; stage it in its bucket, launch what may start now."""
     if not ddp.in_backward:
@@ -355,7 +456,7 @@ def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
     bucket.ready.add(id(p))
     view = ddp.view_of[id(p)]
     with torch.no_grad():
-        stage_grad(p.grad, view, ddp.world_size)
+        stage_grad(p.grad, view, ddp.grad_divisor)
     p.grad = view
     complete = [len(b.ready) == len(b.params) for b in ddp.buckets]
     for i in buckets_to_launch(ddp.next_bucket, complete):
@@ -363,7 +464,7 @@ def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
         ddp.next_bucket = i + 1
 
 
-# %% solutions/04_data_parallel.ipynb, cell 44
+# %% solutions/04_data_parallel.ipynb, cell 46
 def finish_backward(ddp: "DistributedDataParallel") -> None:
     """End of backward: launch the buckets left, wait for all, leave every .grad averaged."""
     missing = [ddp.names[id(p)] for b in ddp.buckets[ddp.next_bucket:]

@@ -2,7 +2,8 @@
 
 `wait()` blocks until the operation is done, bounded by its deadline, and raises its error, or
 a `DistTimeoutError` naming this rank, the operation and the peer. The event a waiter sleeps on
-is made only when someone has to wait, so most operations never allocate one.
+is made only when someone has to wait, so most operations never allocate one. `get_future()`
+gives the torch Future that communication hooks chain on, as torch's Work does.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
+
+import torch
 
 from course_lib.dist.errors import DistTimeoutError, describe
 
@@ -37,19 +40,43 @@ class What(NamedTuple):
 class Work:
     """An operation in flight; `wait()` blocks until it is done, bounded by its deadline."""
 
-    def __init__(self, deadline: float, what: What):
+    def __init__(self, deadline: float, what: What, result: Sequence[torch.Tensor] = ()):
         self.deadline, self.started, self.what = deadline, time.monotonic(), what
+        self.result = list(result)  # the tensors the operation writes: its future's value
         self._done = False
         self._event: threading.Event | None = None
+        self._future: torch.futures.Future | None = None
         self._error: BaseException | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the operation done (with `error` if it failed) and wake its waiter."""
         self._error = error
         with _EVENT_LOCK:
-            self._done, event = True, self._event
+            self._done, event, future = True, self._event, self._future
         if event is not None:
             event.set()
+        if future is not None:
+            self._complete(future)
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future whose value is the list of tensors this operation writes, set when it
+        finishes (its error if it fails). Callbacks chained with `then` run on the thread that
+        finishes the operation (the group's worker for async collectives): they may compute
+        and start further async work, but must not wait on this group's work."""
+        with _EVENT_LOCK:
+            fresh = self._future is None
+            if fresh:
+                self._future = torch.futures.Future()
+            future, done = self._future, self._done
+        if fresh and done:  # finish() ran before the future existed: complete it here
+            self._complete(future)
+        return future
+
+    def _complete(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self.result)
 
     def timeout_error(self) -> DistTimeoutError:
         rank, name, direction, peer_rank = self.what

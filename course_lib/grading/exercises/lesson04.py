@@ -360,7 +360,7 @@ _DDP_HINTS = {
     "on_grad_ready": (
         "First hook: ddp.in_backward = True and queue ddp.end_of_backward. Then add id(p) to its "
         "bucket's ready set (twice is an error naming it), stage_grad(p.grad, view, "
-        "ddp.world_size) under no_grad, p.grad = view, and ddp.launch every bucket "
+        "ddp.grad_divisor) under no_grad, p.grad = view, and ddp.launch every bucket "
         "buckets_to_launch(ddp.next_bucket, complete) returns, moving ddp.next_bucket past it."),
     "finish_backward": (
         "Raise, naming them, for never-ready parameters of the unlaunched buckets unless "
