@@ -17,7 +17,7 @@ from course_lib.spawn import spawn
 SIZES = [0, 1, 7, 1001, 70001]
 SEGMENT_BYTES = 64 * 1024  # so that 70001 elements travel in several pipelined segments
 DTYPES = [torch.float32, torch.int64]
-ALGORITHMS = ["naive", "ring", "tree", "auto"]
+ALGORITHMS = ["naive", "ring", "tree", "rabenseifner", "auto"]
 
 
 def make(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -138,12 +138,70 @@ def check_all(rank: int, world: int, group=None, members=None) -> list[str]:
     return bad
 
 
+def check_auto_table(rank: int, world: int) -> list[str]:
+    """all_reduce(algorithm="auto") runs what the group's table says, row by row; a table that
+    differs between ranks fails on every rank."""
+    from course_lib import dist
+
+    table = {world: [[100, "naive"], [4000, "rabenseifner"], [None, "ring"]], 0: [[None, "tree"]]}
+    dist.set_all_reduce_table(table)
+    bad = []
+    for n, want in ((10, "naive"), (25, "naive"), (26, "rabenseifner"), (1000, "rabenseifner"),
+                    (1001, "ring")):
+        t = torch.ones(n)  # float32: 4 n bytes
+        dist.all_reduce(t)
+        got = dist.flight_record()["groups"]["0"]["entries"][-1]["algorithm"]
+        if got != want or not torch.equal(t, torch.full((n,), float(world))):
+            bad.append(f"rank {rank}: auto table: {4 * n} bytes ran {got}, want {want}")
+    try:
+        dist.set_all_reduce_table({0: [[None, "ring" if rank == world - 1 else "tree"]]})
+        bad.append(f"rank {rank}: tables that differ between ranks were accepted")
+    except ValueError as exc:
+        if f"ranks [{world - 1}] passed a table different" not in str(exc):
+            bad.append(f"rank {rank}: unclear table mismatch error: {exc}")
+    dist.set_all_reduce_table(None)
+    dist.all_reduce(torch.ones(3))
+    if dist.flight_record()["groups"]["0"]["entries"][-1]["algorithm"] != "tree":
+        bad.append(f"rank {rank}: the default table does not pick the tree for 12 bytes")
+    return bad
+
+
+def rabenseifner_worker(rank: int, world: int) -> list[str]:
+    """Rabenseifner on worlds with several ranks beyond a power of two (6 = 4 + 2, and 5)."""
+    from course_lib import dist
+    from course_lib.dist import ReduceOp
+
+    bad = []
+    five = dist.new_group(list(range(5)))
+    for group, members in ((None, list(range(world))), (five, list(range(5)))):
+        if rank not in members:
+            continue
+        for dtype in (torch.float64, torch.int64):
+            for n in (0, 1, 5, 6, 7, 1001):
+                inputs = [make(r, n, dtype) for r in members]
+                for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
+                    t = inputs[members.index(rank)].clone()
+                    dist.all_reduce(t, op=op, group=group, algorithm="rabenseifner")
+                    if not same(t, reference(inputs, op)):
+                        bad.append(f"rank {rank}: rabenseifner on {len(members)} ranks, "
+                                   f"{op.name} {dtype} n={n}")
+    dist.barrier()
+    return bad
+
+
+def test_rabenseifner_beyond_powers_of_two():
+    results = spawn(rabenseifner_worker, 6, backend="scratch", timeout=120)
+    failures = [msg for rank_failures in results for msg in rank_failures]
+    assert not failures, "\n".join(failures[:30])
+
+
 def run_parity(rank: int, world: int) -> list[str]:
     from course_lib import dist
     from course_lib.dist import collectives
 
     collectives.SEGMENT_BYTES = SEGMENT_BYTES
     bad = check_all(rank, world)
+    bad += check_auto_table(rank, world)
     if world >= 3:  # sub-groups: global ranks in src/dst, members only
         evens, odds = [r for r in range(world) if r % 2 == 0], [r for r in range(world) if r % 2]
         groups = {tuple(evens): dist.new_group(evens), tuple(odds): dist.new_group(odds)}

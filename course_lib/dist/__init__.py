@@ -13,7 +13,7 @@ the diagnosis when one fails. In every file `op` is a `ReduceOp`, `name` an oper
 """
 
 from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadcast, gather,
-                                         reduce, reduce_scatter, scatter)
+                                         reduce, reduce_scatter, scatter, set_all_reduce_table)
 from course_lib.dist.errors import DistError, DistTimeoutError
 from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group,
                                    flight_record, get_address, get_backend, get_debug_level,
@@ -27,6 +27,8 @@ __all__ = [
     "DistError", "DistTimeoutError", "ProcessGroup", "ReduceOp", "Work",
     "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group",
     "flight_record", "gather", "get_address", "get_backend", "get_debug_level",
-    "get_global_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend", "listen",
-    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "set_debug_level",
+    "get_global_rank", "get_process_group_ranks", "get_rank", "get_world_size",
+    "init_process_group", "irecv", "is_initialized", "isend", "listen",
+    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "set_all_reduce_table",
+    "set_debug_level",
 ]

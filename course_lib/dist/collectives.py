@@ -10,6 +10,8 @@ asynchronous collectives never mix their messages.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Callable, Sequence
 
 import torch
@@ -19,23 +21,29 @@ from course_lib.dist.work import Work
 
 SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 AUTO_TREE_MAX_BYTES = 256 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
-ALGORITHMS = ("auto", "naive", "ring", "tree")
+ALGORITHMS = ("auto", "naive", "ring", "tree", "rabenseifner")
 
 
 def _run(group: ProcessGroup | None, name: str, async_op: bool,
          body: Callable[[ProcessGroup, int], None],
-         tensor: torch.Tensor | None = None) -> Work | None:
+         tensor: torch.Tensor | None = None,
+         result: Sequence[torch.Tensor] | None = None,
+         algorithm: str | None = None) -> Work | None:
     """Run `body(group, tag)` now, or on the group's worker thread when `async_op`. The
-    group's flight recorder notes the call, described by `tensor`'s dtype and shape."""
+    group's flight recorder notes the call, described by `tensor`'s dtype and shape; the
+    Work's future holds `result` (default: `tensor`) when it is done."""
     g = resolve(group, name)
     call = g.collective(name, tensor)  # its tag is taken in call order: every rank agrees
+    call.entry.algorithm = algorithm
     if async_op:
-        return g.submit(lambda: call.run(body), name)
+        if result is None:
+            result = [] if tensor is None else [tensor]
+        return g.submit(lambda: call.run(body), name, result)
     call.run(body)
     return None
 
 
-def _check_op(op) -> ReduceOp:
+def check_op(op) -> ReduceOp:
     """Our ReduceOp, also accepting torch.distributed.ReduceOp.SUM etc. by name."""
     if isinstance(op, ReduceOp):
         return op
@@ -91,9 +99,9 @@ def _wait(works: Sequence[Work]) -> None:
     for w in works:
         w.wait()
 
-__all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "reduce_", "broadcast", "reduce",
-    "gather", "scatter", "ring_reduce_scatter_", "ring_all_gather_", "all_gather", "reduce_scatter",
-    "all_reduce", "barrier"]
+__all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "broadcast",
+    "reduce", "gather", "scatter", "ring_reduce_scatter_", "ring_all_gather_", "all_gather",
+    "reduce_scatter", "all_reduce", "table_choice", "set_all_reduce_table", "barrier"]
 
 
 # %% solutions/02_collectives.ipynb, cell 17
@@ -134,7 +142,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce onto rank `dst` along a binomial tree; other ranks' tensors are left unchanged."""
-    op = _check_op(op)
+    op = check_op(op)
     name = "reduce"
 
     def body(g: ProcessGroup, tag: int) -> None:
@@ -249,14 +257,14 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
         for t, flat in zip(tensor_list, chunks):
             _write_back(t, flat)
 
-    return _run(group, "all_gather", async_op, body, tensor)
+    return _run(group, "all_gather", async_op, body, tensor, tensor_list)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                    op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                    async_op: bool = False) -> Work | None:
     """output on rank i = input_list[i] reduced over all ranks (ring, p-1 steps)."""
-    op = _check_op(op)
+    op = check_op(op)
 
     def body(g: ProcessGroup, tag: int) -> None:
         _check_list(input_list, output, g.size, "input_list")
@@ -323,7 +331,59 @@ def _all_reduce_naive(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: in
     _wait([g.isend(flat, peer_rank, tag, name) for peer_rank in range(1, g.size)])
 
 
-_ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive}
+def _all_reduce_rabenseifner(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
+                             name: str) -> None:
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling (Rabenseifner):
+    2 lg p messages, like the tree in count, moving 2(p-1)/p n bytes, like the ring in volume.
+    Extra ranks beyond a power of two fold in and out as in the tree."""
+    p, r = g.size, g.rank
+    pof2 = 1 << (p.bit_length() - 1)
+    extra = p - pof2
+    if r < 2 * extra and r % 2 == 0:
+        g.send(flat, r + 1, tag, name)
+        g.recv(flat, r + 1, tag, name)
+        return
+    if r < 2 * extra:
+        tmp = torch.empty_like(flat)
+        g.recv(tmp, r - 1, tag, name)
+        reduce_(flat, tmp, op)
+    vrank = r // 2 if r < 2 * extra else r - extra
+
+    def real(v: int) -> int:
+        return v * 2 + 1 if v < extra else v + extra
+
+    bounds = [0]
+    for chunk in flat.tensor_split(pof2):
+        bounds.append(bounds[-1] + chunk.numel())
+    lo, hi = 0, pof2  # the chunks this rank is responsible for; halves each round
+    tmp = torch.empty(bounds[pof2 // 2], dtype=flat.dtype)  # the larger half (split's first)
+    mask = pof2 // 2
+    while mask > 0:
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
+        kept = flat[bounds[keep[0]]:bounds[keep[1]]]
+        work = g.isend(flat[bounds[give[0]]:bounds[give[1]]], real(vrank ^ mask), tag, name)
+        g.recv(tmp[:kept.numel()], real(vrank ^ mask), tag, name)
+        work.wait()
+        reduce_(kept, tmp[:kept.numel()], op)
+        lo, hi = keep
+        mask >>= 1
+    mask = 1
+    while mask < pof2:  # all-gather: swap windows with the partner, each window doubles
+        size = hi - lo
+        other = (lo - size, lo) if vrank & mask else (hi, hi + size)
+        peer_rank = real(vrank ^ mask)
+        work = g.isend(flat[bounds[lo]:bounds[hi]], peer_rank, tag, name)
+        g.recv(flat[bounds[other[0]]:bounds[other[1]]], peer_rank, tag, name)
+        work.wait()
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+        mask <<= 1
+    if r < 2 * extra:
+        g.send(flat, r - 1, tag, name)
+
+
+_ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive,
+               "rabenseifner": _all_reduce_rabenseifner}
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -332,14 +392,17 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     """Reduce `tensor` across the group, in place on every rank.
 
     algorithm: "naive" (via rank 0), "ring" (bandwidth-optimal), "tree" (recursive doubling,
-    latency-optimal), or "auto" (tree up to AUTO_TREE_MAX_BYTES, ring above).
+    latency-optimal), "rabenseifner" (halving then doubling: lg p rounds, ring's bytes), or
+    "auto": the group's table's choice for this size and world size (`set_all_reduce_table`;
+    by default tree up to AUTO_TREE_MAX_BYTES, ring above).
     """
-    op = _check_op(op)
+    op = check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "auto":
-        small = tensor.numel() * tensor.element_size() <= AUTO_TREE_MAX_BYTES
-        algorithm = "tree" if small else "ring"
+        g = resolve(group, "all_reduce")
+        algorithm = table_choice(g.all_reduce_table, tensor.numel() * tensor.element_size(),
+                                 g.size)
     impl = _ALL_REDUCE[algorithm]
 
     def body(g: ProcessGroup, tag: int) -> None:
@@ -350,7 +413,46 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         _average(flat, g.size, op)
         _write_back(tensor, flat)
 
-    return _run(group, "all_reduce", async_op, body, tensor)
+    return _run(group, "all_reduce", async_op, body, tensor, algorithm=algorithm)
+
+
+def table_choice(table: dict | None, nbytes: int, world_size: int) -> str:
+    """The algorithm a table picks for `nbytes` on `world_size` ranks. A table maps a world
+    size (or 0, any other) to [max_bytes, algorithm] rows in increasing size, the last with
+    max_bytes None (no limit), as MPICH's JSON tuning files do; None is the default."""
+    if table is None:
+        return "tree" if nbytes <= AUTO_TREE_MAX_BYTES else "ring"
+    rows = table.get(world_size, table.get(0))
+    if rows is None:
+        raise ValueError(f"all_reduce table has no row for world size {world_size} and no 0 row")
+    for max_bytes, algorithm in rows:
+        if max_bytes is None or nbytes <= max_bytes:
+            return algorithm
+    raise ValueError(f"all_reduce table for world size {world_size} ends below {nbytes} bytes; "
+                     "its last row needs max_bytes None")
+
+
+def set_all_reduce_table(table: dict | None, group: ProcessGroup | None = None) -> None:
+    """Make `table` what all_reduce(algorithm="auto") follows on `group` (None: the default).
+    Collective: every rank must pass the same table, else every rank fails here (different
+    algorithms at the same call would hang or mix messages)."""
+    g = resolve(group, "set_all_reduce_table")
+    if table is not None:  # keys as ints, also when read from a JSON file
+        table = {int(size): [(b, a) for b, a in rows] for size, rows in table.items()}
+        for size, rows in table.items():
+            for max_bytes, algorithm in rows:
+                if algorithm not in _ALL_REDUCE:
+                    raise ValueError(f"all_reduce table: unknown algorithm {algorithm!r} for "
+                                     f"world size {size}")
+    text = json.dumps(table, sort_keys=True).encode()
+    digest = torch.tensor(list(hashlib.sha256(text).digest()[:8]), dtype=torch.int64)
+    digests = [torch.empty_like(digest) for _ in range(g.size)]
+    all_gather(digests, digest, group=group)
+    differ = [g.ranks[i] for i, d in enumerate(digests) if not torch.equal(d, digests[0])]
+    if differ:
+        raise ValueError(f"rank {g.transport.rank}: set_all_reduce_table: ranks {differ} passed "
+                         f"a table different from rank {g.ranks[0]}'s")
+    g.all_reduce_table = table
 
 
 # %% solutions/02_collectives.ipynb, cell 49

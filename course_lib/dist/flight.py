@@ -45,6 +45,7 @@ class Entry:
     start: float
     end: float | None = None
     state: str = "started"  # then "completed" or "failed"
+    algorithm: str | None = None  # all_reduce's, as chosen (by its "auto" table or by name)
 
     def what(self, group: str) -> str:
         """'all_reduce #1583 (float32[1048576], world)'."""

@@ -53,6 +53,7 @@ class ProcessGroup:
         self._worker: _Worker | None = None
         self.recorder = flight.Recorder()
         self.detail = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check fingerprints every call
+        self.all_reduce_table: dict | None = None  # all_reduce "auto"'s (set_all_reduce_table)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, rank={self.rank})"
@@ -108,11 +109,13 @@ class ProcessGroup:
     def irecv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> RecvRequest:
         return self.peer(frm, name).irecv(tensor, tag, name, self.deadline())
 
-    def submit(self, fn: Callable[[], None], name: str) -> Work:
-        """Run `fn` on the group's worker thread (in call order): what async_op=True returns."""
+    def submit(self, fn: Callable[[], None], name: str,
+               result: Sequence[torch.Tensor] = ()) -> Work:
+        """Run `fn` on the group's worker thread (in call order): what async_op=True returns;
+        `result`, the tensors `fn` writes, is the value of the Work's future."""
         if self._worker is None:
             self._worker = _Worker(f"dist-async-{self.transport.rank}-g{self.id}")
-        work = Work(self.deadline(), What(self.transport.rank, name))
+        work = Work(self.deadline(), What(self.transport.rank, name), result)
         self._worker.put(fn, work)
         return work
 
