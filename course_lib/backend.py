@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -32,13 +33,16 @@ def check_backend(backend: str, engines: str | None = None) -> None:
 
 def default_dist(dist: Any = None) -> Any:
     """The `dist`-like module to use: the one given, else torch.distributed if it is
-    initialized, else `course_lib.dist`."""
+    initialized, else `course_lib.mpi` if it is, else `course_lib.dist`."""
     if dist is not None:
         return dist
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
         return tdist
+    mpi = sys.modules.get("course_lib.mpi")
+    if mpi is not None and mpi.is_initialized():
+        return mpi
     from course_lib import dist as scratch
 
     return scratch
@@ -102,10 +106,11 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
         dist.init_process_group("scratch", rank=rank, world_size=world_size,
                                 addresses=addresses, secret=secret, timeout=timeout)
     elif backend == "mpi":
-        from mpi4py import MPI
+        from course_lib import mpi
 
-        if MPI.COMM_WORLD.Get_rank() != rank:
-            raise RuntimeError(f"MPI rank {MPI.COMM_WORLD.Get_rank()} and rank {rank} disagree")
+        mpi.init_process_group(timeout=timeout)
+        if mpi.get_rank() != rank:
+            raise RuntimeError(f"MPI rank {mpi.get_rank()} and rank {rank} disagree")
     elif backend != "none":
         check_backend(backend)  # raises: unknown backend
 
@@ -123,6 +128,10 @@ def shutdown(backend: str) -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        elif backend == "mpi":
+            from course_lib import mpi
+
+            mpi.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
@@ -137,4 +146,8 @@ def dist_module(backend: str) -> Any:
         import torch.distributed as tdist
 
         return tdist
+    if backend == "mpi":
+        from course_lib import mpi
+
+        return mpi
     return None

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from course_lib.bench import __main__ as bench_cli
+from course_lib import mpi
 from course_lib.bench import allreduce
 
 
@@ -34,7 +35,7 @@ def test_a_bad_size_is_a_usage_error_not_a_traceback(sizes, capsys):
 
 def test_benchmark_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "ar.json", tmp_path / "ar.png"
-    backends = "scratch,gloo" + (",mpi" if allreduce._mpi_available() is None else "")
+    backends = "scratch,gloo" + (",mpi" if mpi.unavailable() is None else "")
     assert bench_cli.main(["allreduce", "--world", "2", "--backends", backends,
                            "--sizes", "4KiB,64KiB", "--algorithms", "ring,tree",
                            "--repeats", "2", "--rounds", "1", "--timeout", "120",

@@ -18,12 +18,10 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
+from course_lib import mpi
 from course_lib.bench.common import median, slowest_rank
 
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
@@ -137,33 +135,12 @@ def _mpi_worker(spec: str) -> None:
 # --- the driver -----------------------------------------------------------------------------
 
 def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str) -> list[dict]:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind})
-    cmd = [str(mpiexec), "-n", str(world), sys.executable, "-m", "course_lib.bench.allreduce",
-           "--mpi-worker", spec]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, ended by its id
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"mpi: mpiexec did not finish within {timeout:g}s") from None
+    out = mpi.launch(world, ["-m", "course_lib.bench.allreduce", "--mpi-worker", spec], timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"mpi: mpiexec exited with {proc.returncode}:\n{err[-2000:]}")
+    if not lines:
+        raise RuntimeError("mpi: mpiexec printed no result")
     return json.loads(lines[-1][len("BENCH_JSON "):])
-
-
-def _mpi_available() -> str | None:
-    """None if MPI can run here, else why not."""
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not importable (pip install mpi4py mpich)"
-    if not (Path(sys.executable).parent / "mpiexec").exists():
-        return f"no mpiexec next to {sys.executable}"
-    return None
 
 
 def _run_set(backend: str, world: int, plan: list, repeats: int, timeout: float,
@@ -182,7 +159,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
     sizes = args.sizes
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    if "mpi" in backends and (why := _mpi_available()):
+    if "mpi" in backends and (why := mpi.unavailable()):
         print(f"note: skipping mpi: {why}", file=sys.stderr)
         backends.remove("mpi")
     rounds = max(1, args.rounds)
