@@ -43,6 +43,22 @@ def test_square_mlp_model_and_default_variants(tmp_path):
     assert {r["params"] for r in rows} == {3 * (16 * 16 + 16)} and rows[0]["model"] == "mlp"
 
 
+def test_bucket_sweep_and_comm_hook_variants(tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert bench_cli.main(["ddp", "--world", "2", "--variants",
+                           "ddp/scratch,ddp_fp16/scratch,ddp_powersgd/scratch", "--hidden", "16",
+                           "--layers", "1", "--batch", "4", "--bucket-mb", "0.001,0.1",
+                           "--iters", "3", "--warmup", "1", "--timeout", "120",
+                           "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["bucket_mb"]) for r in rows[1:]] == [
+        (f"{v}@{mb:g}", mb) for v in ("ddp/scratch", "ddp_fp16/scratch", "ddp_powersgd/scratch")
+        for mb in (0.001, 0.1)]
+    assert all(r["iter_ms"] > 0 for r in rows) and png.stat().st_size > 0
+    with pytest.raises(SystemExit, match="positive sizes"):
+        bench_cli.main(["ddp", "--bucket-mb", "0,1"])
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown variants"):
         bench_cli.main(["ddp", "--variants", "ddp/nccl"])

@@ -30,6 +30,9 @@ VARIANTS = {
     "torch_ddp_view/gloo": ("torch_ddp_view", "gloo"),  # gradient_as_bucket_view=True, like ours
     "ddp/gloo": ("ddp", "gloo"),
     "ddp/scratch": ("ddp", "scratch"),
+    "ddp_fp16/scratch": ("ddp_fp16", "scratch"),  # lesson 10's communication hooks
+    "ddp_powersgd/scratch": ("ddp_powersgd", "scratch"),
+    "ddp_fp16/gloo": ("ddp_fp16", "gloo"),
     "per_param/scratch": ("per_param", "scratch"),
     "per_param/gloo": ("per_param", "gloo"),
     "flat/scratch": ("flat", "scratch"),
@@ -51,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="blocks or layers (default: blocks 16, mlp 8; both 32 MiB of gradients)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket_cap_mb for every DDP")
+    p.add_argument("--bucket-mb", default="25",
+                   help="bucket_cap_mb for every DDP; a comma list (0.1,1,10,100) sweeps it: each "
+                        "variant runs at each size, named variant@size")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
@@ -111,18 +116,28 @@ def make_step(name: str, args: dict, dists: dict):
 
     from course_lib import ddp
 
-    impl, backend = VARIANTS[name]
+    from course_lib import comm_hooks
+
+    variant, bucket_mb = split_name(name, args)
+    impl, backend = VARIANTS[variant]
     model = make_model(args)
     dist = dists.get(backend)
     if impl.startswith("torch_ddp"):
         model = nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=args["bucket_mb"], gradient_as_bucket_view=impl.endswith("view"))
-    elif impl == "ddp":
-        model = ddp.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"], dist=dist)
+            model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=impl.endswith("view"))
+    elif impl.startswith("ddp"):
+        model = ddp.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, dist=dist)
+        if impl == "ddp_fp16":
+            model.register_comm_hook(comm_hooks.DefaultState(dist=dist),
+                                     comm_hooks.fp16_compress_hook)
+        elif impl == "ddp_powersgd":  # compressing from the first timed step on
+            model.register_comm_hook(comm_hooks.PowerSGDState(
+                dist=dist, matrix_approximation_rank=4, start_powerSGD_iter=2),
+                comm_hooks.powerSGD_hook)
     params = [p for p in model.parameters()]
     sync = {"per_param": lambda: ddp.allreduce_grads_per_param(params, dist=dist),
             "flat": lambda: ddp.allreduce_grads_flat(params, dist=dist),
-            "bucketed": lambda: ddp.allreduce_grads_bucketed(params, args["bucket_mb"],
+            "bucketed": lambda: ddp.allreduce_grads_bucketed(params, bucket_mb,
                                                              dist=dist)}.get(impl)
     opt = torch.optim.SGD(params, lr=1e-3)
     g = torch.Generator().manual_seed(1 + dists["rank"])
@@ -137,8 +152,21 @@ def make_step(name: str, args: dict, dists: dict):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    waited = model.exposed_comm_seconds if impl == "ddp" else None
+    waited = model.exposed_comm_seconds if impl.startswith("ddp") else None
     return step, waited
+
+
+def bucket_sizes(arg: str | float) -> list[float]:
+    sizes = [float(v) for v in str(arg).split(",") if v.strip()]
+    if not sizes or any(v <= 0 for v in sizes):
+        raise SystemExit(f"--bucket-mb needs positive sizes, got {arg!r}")
+    return sizes
+
+
+def split_name(name: str, args: dict) -> tuple[str, float]:
+    """'ddp/scratch@0.5' -> ('ddp/scratch', 0.5); without '@', the one --bucket-mb."""
+    variant, _, mb = name.partition("@")
+    return variant, float(mb) if mb else bucket_sizes(args["bucket_mb"])[0]
 
 
 def measure(names: list[str], args: dict, dists: dict) -> dict:
@@ -186,7 +214,7 @@ def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
         per_iter = slowest_rank([r["times"][n] for r in results])
         rows.append({"variant": n, "model": args.get("model", "mlp"), "world": len(results),
                      "params": n_params,
-                     "grad_mib": n_params * 4 / MiB, "bucket_mb": args["bucket_mb"],
+                     "grad_mib": n_params * 4 / MiB, "bucket_mb": split_name(n, args)[1],
                      "iter_ms": 1e3 * median(per_iter)})
         waits = [r["waits"][n] for r in results]
         rows[-1]["ddp_wait_ms"] = 1e3 * median(slowest_rank(waits)) if waits[0] else None
@@ -207,8 +235,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     names = choose(args.variants, VARIANTS)
     if "local" in names:
         names.remove("local")
-    names.insert(0, "local")  # the baseline comes first: summarize() measures against it
     backend = "scratch" if any(VARIANTS[n][1] == "scratch" for n in names) else "gloo"
+    sizes = bucket_sizes(args.bucket_mb)
+    if len(sizes) > 1:  # a sweep: every variant at every size, in the same processes
+        names = [f"{n}@{mb:g}" for n in names for mb in sizes]
+    names.insert(0, "local")  # the baseline comes first: summarize() measures against it
     conf = {k: getattr(args, k) for k in ("batch", "bucket_mb", "iters", "warmup", "timeout")}
     conf["model"], conf["hidden"], conf["layers"] = model_config(args.model, args.hidden,
                                                                  args.layers)
@@ -218,9 +249,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str | None = None) -> Any:
-    """Iteration time per variant, split into compute (the local step) and exposed comm;
-    saved to `path`, or returned as a figure (in a notebook)."""
+    """Iteration time per variant, split into compute (the local step) and exposed comm (for
+    a bucket sweep: step time against bucket size, one line per variant); saved to `path`, or
+    returned as a figure (in a notebook)."""
     import matplotlib.pyplot as plt
+
+    if any("@" in r["variant"] for r in rows):
+        return plot_sweep(rows, path)
 
     names = [r["variant"] for r in rows]
     local = rows[0]["iter_ms"]
@@ -233,4 +268,23 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
     ax.set_title(f"DDP variants, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB of "
                  f"gradients, bucket {rows[0]['bucket_mb']:g} MiB")
     ax.legend(loc="lower right")
+    return finish(fig, path)
+
+
+def plot_sweep(rows: list[dict], path: str | None = None) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    local = rows[0]["iter_ms"]
+    for variant in dict.fromkeys(r["variant"].partition("@")[0] for r in rows[1:]):
+        mine = [r for r in rows[1:] if r["variant"].partition("@")[0] == variant]
+        ax.plot([r["bucket_mb"] for r in mine], [r["iter_ms"] for r in mine], "o-",
+                label=variant)
+    ax.axhline(local, color="gray", linestyle="--", label="no communication")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("iteration time, slowest rank, median (ms)")
+    ax.set_title(f"Bucket size sweep, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB "
+                 "of gradients")
+    ax.legend()
     return finish(fig, path)
