@@ -21,7 +21,7 @@ import torch
 
 from course_lib.backend import default_dist
 
-__all__ = ["DefaultState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+__all__ = ["DefaultState", "allreduce_hook", "compress_hook", "fp16_compress_hook", "bf16_compress_hook",
            "compress_with_feedback", "TopKState", "topk_hook", "orthogonalize_", "PowerSGDState",
            "powersgd_step", "powerSGD_hook", "hook_bytes"]
 
@@ -65,7 +65,8 @@ def allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
         lambda fut: fut.value()[0])
 
 
-def _compress_hook(dtype: torch.dtype, state: Any, bucket: Any) -> torch.futures.Future:
+def compress_hook(dtype: torch.dtype, state: Any, bucket: Any) -> torch.futures.Future:
+    """All-reduce the bucket cast to `dtype`, averaged, and cast the result back into it."""
     buffer = _floating_buffer(bucket, f"{str(dtype)[6:]}_compress_hook")
     dist, group, world = _where(state)
     # Cast, then divide in the narrow type before the sum, exactly as torch's hook does: the
@@ -81,12 +82,12 @@ def _compress_hook(dtype: torch.dtype, state: Any, bucket: Any) -> torch.futures
 
 def fp16_compress_hook(state: Any, bucket: Any) -> torch.futures.Future:
     """All-reduce the bucket in float16 (half the bytes), then cast back (torch's hook)."""
-    return _compress_hook(torch.float16, state, bucket)
+    return compress_hook(torch.float16, state, bucket)
 
 
 def bf16_compress_hook(state: Any, bucket: Any) -> torch.futures.Future:
     """All-reduce the bucket in bfloat16: float32's range, 8 bits of mantissa."""
-    return _compress_hook(torch.bfloat16, state, bucket)
+    return compress_hook(torch.bfloat16, state, bucket)
 
 
 def compress_with_feedback(grad: torch.Tensor, error: torch.Tensor | None,
@@ -153,7 +154,7 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 
-def powersgd_step(matrices: list[torch.Tensor], qs: list[torch.Tensor], *, dist: Any,
+def powersgd_step(matrices: list[torch.Tensor], qs: list[torch.Tensor], *, dist: Any = None,
                   group: Any = None, epsilon: float = 0.0) -> None:
     """One power iteration over a bucket's (1, n, m) gradient matrices, each approximated by
     P Q^T with Q (1, m, r) given: P = M Q, summed over ranks in one all_reduce and
@@ -163,6 +164,7 @@ def powersgd_step(matrices: list[torch.Tensor], qs: list[torch.Tensor], *, dist:
         if q.shape[2] > min(m.shape[1], m.shape[2]):
             raise ValueError(f"powersgd_step: rank {q.shape[2]} is larger than a "
                              f"{m.shape[1]}x{m.shape[2]} matrix")
+    dist = default_dist(dist)
     ps = [torch.bmm(m, q) for m, q in zip(matrices, qs)]
     flat_p = torch.cat([p.reshape(-1) for p in ps])
     dist.all_reduce(flat_p, group=group)

@@ -414,6 +414,9 @@ class _HookWork:
             raise RuntimeError(f"{self.what} returned {type(value).__name__} "
                                f"{list(getattr(value, 'shape', []))}; expected the reduced "
                                f"buffer of {self.buffer.numel()} elements")
+        if value.dtype != self.buffer.dtype:
+            raise RuntimeError(f"{self.what} returned {value.dtype} values; cast them back to "
+                               f"the gradients' {self.buffer.dtype}")
         if value.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(value.reshape(-1))
         return True

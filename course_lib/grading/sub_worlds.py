@@ -140,3 +140,10 @@ class _Landing:
 
     def is_completed(self) -> bool:
         return self.done
+
+    def get_future(self) -> torch.futures.Future:
+        """Lands the result now and returns a completed future of [output] (torch's value)."""
+        self.wait()
+        future = torch.futures.Future()
+        future.set_result([self.output])
+        return future
