@@ -107,6 +107,9 @@ def intruders(rank: int, world: int) -> dict:
     dist.barrier()
     # An authenticated peer that sends a malformed frame: closed, logged, and an error.
     if rank == 1:
+        # On one machine frames travel in a shared-memory ring beside the socket, so garbage
+        # on the socket is noticed whenever rank 0 next waits: let it finish the barrier first.
+        time.sleep(0.5)
         transport.peer(0).sender.sock.sendall(pickle.dumps({"x": 1}).ljust(88, b"\0"))
         time.sleep(0.5)
     else:

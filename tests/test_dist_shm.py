@@ -122,7 +122,7 @@ def negotiate_with_fake_peer(offer_name: bytes) -> tuple[tuple, bytes, bytes]:
     t.start()
     ours = bytearray(shm.OFFER.size)
     b.recv_into(ours, len(ours), socket.MSG_WAITALL)
-    b.sendall(shm.OFFER.pack(shm.OFFER_MAGIC, offer_name))
+    b.sendall(shm.OFFER.pack(shm.OFFER_MAGIC, offer_name, 1))
     reply = b.recv(1)
     b.sendall(b"\x00")
     t.join(5)

@@ -80,6 +80,11 @@ def _average(t: torch.Tensor, n: int, op: ReduceOp) -> None:
             t.copy_(torch.div(t, n, rounding_mode="floor"))
 
 
+def reducer(op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """`combine(dst, src)` for a receive that reduces into `dst` instead of copying."""
+    return lambda dst, src: reduce_(dst, src, op)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous view of `t` (a copy only if `t` is not contiguous; see `_write_back`)."""
     return t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().view(-1)
@@ -99,9 +104,10 @@ def _wait(works: Sequence[Work]) -> None:
     for w in works:
         w.wait()
 
-__all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "broadcast",
-    "reduce", "gather", "scatter", "ring_reduce_scatter_", "ring_all_gather_", "all_gather",
-    "reduce_scatter", "all_reduce", "table_choice", "set_all_reduce_table", "barrier"]
+__all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "reducer",
+    "broadcast", "reduce", "gather", "scatter", "ring_reduce_scatter_", "ring_all_gather_",
+    "all_gather", "reduce_scatter", "all_reduce", "table_choice", "set_all_reduce_table",
+    "barrier"]
 
 
 # %% solutions/02_collectives.ipynb, cell 17
@@ -218,13 +224,11 @@ def ring_reduce_scatter_(g: ProcessGroup, chunks: Sequence[torch.Tensor], op: Re
     p, r = g.size, g.rank
     nxt, prv = (r + 1) % p, (r - 1) % p
     sends = [g.isend(seg, nxt, tag, name) for seg in _segments(chunks[prv])]
-    seg_elems = max(1, SEGMENT_BYTES // chunks[0].element_size())
-    tmp = torch.empty(min(seg_elems, max(c.numel() for c in chunks)), dtype=chunks[0].dtype)
     for step in range(p - 1):
         for seg in _segments(chunks[(r - step - 2) % p]):
-            incoming = tmp[:seg.numel()]
-            g.recv(incoming, prv, tag, name)
-            reduce_(seg, incoming, op)
+            # Reduced into place as it arrives (from shared memory, without a temporary): no
+            # send of this segment is in flight until it is complete.
+            g.recv(seg, prv, tag, name, combine=reducer(op))
             if step < p - 2 or forward_last:
                 sends.append(g.isend(seg, nxt, tag, name))
     return sends
@@ -324,10 +328,8 @@ def _all_reduce_naive(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: in
         g.send(flat, 0, tag, name)
         g.recv(flat, 0, tag, name)
         return
-    tmp = torch.empty_like(flat)
     for peer_rank in range(1, g.size):
-        g.recv(tmp, peer_rank, tag, name)
-        reduce_(flat, tmp, op)
+        g.recv(flat, peer_rank, tag, name, combine=reducer(op))
     _wait([g.isend(flat, peer_rank, tag, name) for peer_rank in range(1, g.size)])
 
 
@@ -344,9 +346,7 @@ def _all_reduce_rabenseifner(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, 
         g.recv(flat, r + 1, tag, name)
         return
     if r < 2 * extra:
-        tmp = torch.empty_like(flat)
-        g.recv(tmp, r - 1, tag, name)
-        reduce_(flat, tmp, op)
+        g.recv(flat, r - 1, tag, name, combine=reducer(op))
     vrank = r // 2 if r < 2 * extra else r - extra
 
     def real(v: int) -> int:
@@ -356,16 +356,14 @@ def _all_reduce_rabenseifner(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, 
     for chunk in flat.tensor_split(pof2):
         bounds.append(bounds[-1] + chunk.numel())
     lo, hi = 0, pof2  # the chunks this rank is responsible for; halves each round
-    tmp = torch.empty(bounds[pof2 // 2], dtype=flat.dtype)  # the larger half (split's first)
     mask = pof2 // 2
     while mask > 0:
         mid = (lo + hi) // 2
         keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
         kept = flat[bounds[keep[0]]:bounds[keep[1]]]
         work = g.isend(flat[bounds[give[0]]:bounds[give[1]]], real(vrank ^ mask), tag, name)
-        g.recv(tmp[:kept.numel()], real(vrank ^ mask), tag, name)
+        g.recv(kept, real(vrank ^ mask), tag, name, combine=reducer(op))  # not being sent
         work.wait()
-        reduce_(kept, tmp[:kept.numel()], op)
         lo, hi = keep
         mask >>= 1
     mask = 1
@@ -394,7 +392,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     algorithm: "naive" (via rank 0), "ring" (bandwidth-optimal), "tree" (recursive doubling,
     latency-optimal), "rabenseifner" (halving then doubling: lg p rounds, ring's bytes), or
     "auto": the group's table's choice for this size and world size (`set_all_reduce_table`;
-    by default tree up to AUTO_TREE_MAX_BYTES, ring above).
+    by default tree up to AUTO_TREE_MAX_BYTES and ring above; on 2 ranks tree up to 1 MiB,
+    Rabenseifner above).
     """
     op = check_op(op)
     if algorithm not in ALGORITHMS:
@@ -419,8 +418,12 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
 def table_choice(table: dict | None, nbytes: int, world_size: int) -> str:
     """The algorithm a table picks for `nbytes` on `world_size` ranks. A table maps a world
     size (or 0, any other) to [max_bytes, algorithm] rows in increasing size, the last with
-    max_bytes None (no limit), as MPICH's JSON tuning files do; None is the default."""
+    max_bytes None (no limit), as MPICH's JSON tuning files do; None is the default (measured
+    on 2 ranks of one host: recursive doubling up to 1 MiB, then Rabenseifner, whose halves
+    are reduced straight from shared memory)."""
     if table is None:
+        if world_size == 2:
+            return "tree" if nbytes <= 4 * AUTO_TREE_MAX_BYTES else "rabenseifner"
         return "tree" if nbytes <= AUTO_TREE_MAX_BYTES else "ring"
     rows = table.get(world_size, table.get(0))
     if rows is None:

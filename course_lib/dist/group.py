@@ -103,8 +103,11 @@ class ProcessGroup:
     def isend(self, tensor: torch.Tensor, to: int, tag: int, name: str) -> Work:
         return self.peer(to, name).isend(tensor, tag, name, self.deadline())
 
-    def recv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> None:
-        self.peer(frm, name).recv(tensor, tag, name, self.deadline())
+    def recv(self, tensor: torch.Tensor, frm: int, tag: int, name: str,
+             combine: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """Receive into `tensor`; with `combine(dst, src)` the message is reduced into it
+        instead, straight from shared memory when it travels there (no temporary)."""
+        self.peer(frm, name).recv(tensor, tag, name, self.deadline(), combine)
 
     def irecv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> RecvRequest:
         return self.peer(frm, name).irecv(tensor, tag, name, self.deadline())

@@ -23,13 +23,18 @@ class RecvRequest(Work):
     """A posted receive: where the bytes go, and the tag they must carry.
 
     `buffer` is the target itself when it is contiguous, else a contiguous stand-in copied
-    into the target when the message is complete.
+    into the target when the message is complete. With `combine`, the message is not copied
+    but combined into the (contiguous) target piece by piece, `combine(target_piece,
+    message_piece)`: a reduction straight from shared memory, without a temporary.
     """
 
     def __init__(self, target: torch.Tensor, tag: int, what: What, deadline: float,
-                 progress: Callable[["RecvRequest", float], None]):
+                 progress: Callable[["RecvRequest", float], None],
+                 combine: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
         super().__init__(deadline, what)
-        self.target, self.tag = target, tag
+        if combine is not None and not target.is_contiguous():
+            raise ValueError("a combining receive needs a contiguous target")
+        self.target, self.tag, self.combine = target, tag, combine
         self.buffer = target if target.is_contiguous() else torch.empty_like(
             target, memory_format=torch.contiguous_format)
         self.state = POSTED

@@ -48,8 +48,9 @@ class Peer:
     def irecv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> RecvRequest:
         return self.receiver.irecv(tensor, tag, name, deadline)
 
-    def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> None:
-        self.receiver.recv(tensor, tag, name, deadline)
+    def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+             combine: Callable | None = None) -> None:
+        self.receiver.recv(tensor, tag, name, deadline, combine)
 
     def send_abort(self, reason: str) -> None:
         self.sender.send_abort(reason)

@@ -12,15 +12,15 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from course_lib.dist import shm
+from course_lib.dist import ring, shm
 from course_lib.dist.errors import DistError, ProtocolError
 from course_lib.dist.matching import DONE, FILLING, POSTED, RecvRequest, TagMatcher
 from course_lib.dist.wire import (ABORT_TAG, FLAG_SHM, HEADER, PeerClosed, WireTimeout,
-                                  byte_view, decode_header, flags_of, recv_exact)
+                                  byte_view, decode_header, flags_of)
 from course_lib.dist.work import What
 
 if TYPE_CHECKING:
@@ -34,6 +34,8 @@ class Receiver:
 
     def __init__(self, peer: "Peer", sock, region: shm.Region | None):
         self.peer, self.sock, self.region = peer, sock, region
+        self.stream = (region.ring_stream(sock) if region is not None and region.ring
+                       else ring.SocketStream(sock))
         self.cond = threading.Condition()  # the receive lock
         self.matcher = TagMatcher()
         self.reading = False  # one reader of the socket at a time
@@ -43,10 +45,11 @@ class Receiver:
 
     # --- posting ------------------------------------------------------------------------
 
-    def post(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> RecvRequest:
+    def post(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+             combine: Callable | None = None) -> RecvRequest:
         """Register a receive; it completes at once if the message is already here."""
         what = What(self.peer.rank, name, "recv from", self.peer.peer_rank)
-        req = RecvRequest(tensor, tag, what, deadline, self.progress)
+        req = RecvRequest(tensor, tag, what, deadline, self.progress, combine)
         with self.cond:
             self.peer.check_alive(name, "recv from")
             msg = self.matcher.post(req)
@@ -65,9 +68,10 @@ class Receiver:
                     self._thread = self.peer.start_thread("receiver", self._loop)
         return req
 
-    def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> None:
-        """Blocking receive on the caller's thread."""
-        self.progress(self.post(tensor, tag, name, deadline), deadline)
+    def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+             combine: Callable | None = None) -> None:
+        """Blocking receive on the caller's thread (combined into `tensor` with `combine`)."""
+        self.progress(self.post(tensor, tag, name, deadline, combine), deadline)
 
     def _loop(self) -> None:
         while True:
@@ -86,7 +90,10 @@ class Receiver:
         """Complete `req` with a message that was kept before it was posted."""
         error = self._mismatch(req, msg.dtype, tuple(msg.shape), req.tag)
         if error is None:
-            req.buffer.copy_(msg)
+            if req.combine is not None:
+                req.combine(req.buffer, msg)
+            else:
+                req.buffer.copy_(msg)
         req.complete(error)
 
     def _mismatch(self, req: RecvRequest, dtype: torch.dtype, shape: tuple,
@@ -132,7 +139,7 @@ class Receiver:
         name, target = req.what.name, None
         try:
             try:
-                recv_exact(self.sock, self._header, deadline)
+                self.stream.recv_exact(self._header, deadline)
             except WireTimeout as exc:
                 if exc.received:
                     raise
@@ -150,7 +157,7 @@ class Receiver:
             payload_deadline = deadline if deadline - now > 1.0 else now + self.peer.timeout
             if tag == ABORT_TAG:
                 text = bytearray(nbytes)
-                recv_exact(self.sock, memoryview(text), payload_deadline)
+                self.stream.recv_exact(memoryview(text), payload_deadline)
                 return self.peer.fatal(name, "recv from", "group aborted: " +
                                        text.decode("utf-8", "replace"))
             with self.cond:
@@ -169,7 +176,7 @@ class Receiver:
                 return
             error = self._mismatch(target, dtype, shape, tag)
             self._read_payload(target.buffer if error is None else None, nbytes, via_shm,
-                               payload_deadline)
+                               payload_deadline, target.combine)
             with self.cond:
                 target.complete(error)
         except WireTimeout:
@@ -189,21 +196,26 @@ class Receiver:
                                                 self.peer.dead or "link lost"))
 
     def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
-                      deadline: float) -> None:
-        """Read a frame's payload into `buffer` (contiguous), or drop it if None."""
+                      deadline: float, combine: Callable | None = None) -> None:
+        """Read a frame's payload into `buffer` (contiguous), combined into it with `combine`,
+        or drop it if None."""
         if via_shm:
-            shm.receive(self.region, self.sock, buffer, nbytes, deadline)
+            shm.receive(self.region, self.stream, buffer, nbytes, deadline, combine)
         elif buffer is None:
             self._drain(nbytes, deadline)
+        elif combine is not None:
+            incoming = torch.empty_like(buffer)
+            self.stream.recv_exact(byte_view(incoming), deadline)
+            combine(buffer, incoming)
         else:
-            recv_exact(self.sock, byte_view(buffer), deadline)
+            self.stream.recv_exact(byte_view(buffer), deadline)
 
     def _drain(self, nbytes: int, deadline: float) -> None:
         """Read and drop a payload nobody can take, so the stream stays in step."""
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes:
             n = min(nbytes, len(scratch))
-            recv_exact(self.sock, scratch[:n], deadline)
+            self.stream.recv_exact(scratch[:n], deadline)
             nbytes -= n
 
     def fail(self, reason: str) -> None:

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from course_lib.dist import shm
-from course_lib.dist.wire import (ABORT_TAG, WireTimeout, byte_view, encode_header,
-                                  send_frame, send_parts, try_send)
+from course_lib.dist import ring, shm
+from course_lib.dist.wire import ABORT_TAG, WireTimeout, byte_view, encode_header
 from course_lib.dist.work import What, Work
 
 if TYPE_CHECKING:
@@ -42,6 +41,9 @@ class Sender:
 
     def __init__(self, peer: "Peer", sock, region: shm.Region | None):
         self.peer, self.sock, self.region = peer, sock, region
+        # Frames travel on the ring in shared memory when the peer reads it, else the socket.
+        self.stream = (region.ring_stream(sock) if region is not None and region.ring
+                       else ring.SocketStream(sock))
         self.cond = threading.Condition()  # the send lock
         self.queue: deque[Outgoing] = deque()
         self.writing = False  # one writer at a time: the caller's thread or the sender thread
@@ -84,13 +86,13 @@ class Sender:
         work, name = item.work, item.work.what.name
         try:
             if item.via_shm:
-                shm.send(self.region, self.sock, item.parts[0], item.tensor, work.deadline)
+                shm.send(self.region, self.stream, item.parts[0], item.tensor, work.deadline)
                 item.parts = []
             elif wait:
-                send_parts(self.sock, item.parts, work.deadline)
+                self.stream.send(item.parts, work.deadline)
                 item.parts = []
             else:
-                item.parts = try_send(self.sock, item.parts)
+                item.parts = self.stream.try_send(item.parts)
         except WireTimeout:
             # Part of a frame may be out: the stream is no longer in step, so the link is dead.
             reason = (f"timed out after {time.monotonic() - work.started:.1f}s "
@@ -133,8 +135,8 @@ class Sender:
                 return
             self.writing = True
         try:
-            send_frame(self.sock, encode_header(ABORT_TAG, payload), byte_view(payload),
-                       time.monotonic() + 1.0)
+            self.stream.send([encode_header(ABORT_TAG, payload), byte_view(payload)],
+                             time.monotonic() + 1.0)
         except (OSError, WireTimeout):
             pass
         finally:

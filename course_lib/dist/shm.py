@@ -9,9 +9,12 @@ wait stays a socket read with a deadline, and a dead peer still shows as a close
 receiver copies a slot out and clears the slot's flag; the sender waits for the flag before it
 reuses the slot.
 
-The region's name travels over the authenticated socket; the file is created 0600 and unlinked
-as soon as the peer has mapped it (or failed to). Linux only (`/dev/shm`); elsewhere, or with
-COURSE_DIST_SHM=0, links stay plain TCP.
+Small frames, and with them every header and doorbell, go through a ring in the same region
+when both ends can use one (`ring.RingStream`: no system call and no sleep on the latency
+path); the doorbells then keep their place in the ring's stream. The region's name travels over
+the authenticated socket; the file is created 0600 and unlinked as soon as the peer has mapped
+it (or failed to). Linux only (`/dev/shm`); elsewhere, or with COURSE_DIST_SHM=0, links stay
+plain TCP (COURSE_DIST_RING=0 keeps the slots but sends frames over the socket).
 """
 
 from __future__ import annotations
@@ -26,24 +29,31 @@ import time
 
 import torch
 
+from course_lib.dist import ring
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import (FLAG_SHM, PeerClosed, WireTimeout, recv_exact, send_parts,
-                                  with_flags)
+from course_lib.dist.wire import FLAG_SHM, WireTimeout, recv_exact, send_parts, with_flags
 
 SHM_DIR = "/dev/shm"
 SLOTS = 8
 SLOT_BYTES = 512 * 1024
 FLAG_BYTES = 64  # one flag byte per slot, padded to a cache line
-REGION_BYTES = FLAG_BYTES + SLOTS * SLOT_BYTES
-MIN_BYTES = 64 * 1024  # payloads above this go through shared memory
-OFFER = struct.Struct("<8s64s")  # magic, region name (empty: no shared memory offered)
-OFFER_MAGIC = b"CDSTSHM1"
+CTRL_BYTES = 192  # the ring's head, tail and sleeping flag, a cache line each
+RING_BYTES = 256 * 1024
+SLOTS_START = FLAG_BYTES + CTRL_BYTES + RING_BYTES
+REGION_BYTES = SLOTS_START + SLOTS * SLOT_BYTES
+MIN_BYTES = 64 * 1024  # payloads above this go through the slots
+OFFER = struct.Struct("<8s64sB")  # magic, region name (empty: none offered), ring wanted
+OFFER_MAGIC = b"CDSTSHM2"
 DOORBELL = b"\x01"
 _NAME = re.compile(rb"course_lib-dist-[0-9a-f]{32}")
 
 
 def enabled() -> bool:
     return os.path.isdir(SHM_DIR) and os.environ.get("COURSE_DIST_SHM", "1") != "0"
+
+
+def ring_enabled() -> bool:
+    return ring.supported() and os.environ.get("COURSE_DIST_RING", "1") != "0"
 
 
 class Region:
@@ -70,6 +80,7 @@ class Region:
         # Never unmapped by hand: a thread may still be copying; the mapping goes with the object.
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)
         self.next = 0  # slots are used round-robin, in the same order on both ends
+        self.ring = False  # whether this direction's frames use the ring (set by negotiate)
 
     def unlink(self) -> None:
         try:
@@ -78,8 +89,13 @@ class Region:
             pass
 
     def slot(self, i: int, n: int) -> torch.Tensor:
-        start = FLAG_BYTES + i * SLOT_BYTES
+        start = SLOTS_START + i * SLOT_BYTES
         return self.data[start:start + n]
+
+    def ring_stream(self, sock: socket.socket) -> ring.RingStream:
+        view = memoryview(self._map)
+        return ring.RingStream(sock, view[FLAG_BYTES:FLAG_BYTES + CTRL_BYTES],
+                               view[FLAG_BYTES + CTRL_BYTES:SLOTS_START])
 
     def take_slot(self) -> int:
         i, self.next = self.next, (self.next + 1) % SLOTS
@@ -105,10 +121,11 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
         except OSError:
             out = None
     try:
-        send_parts(sock, [OFFER.pack(OFFER_MAGIC, out.name.encode() if out else b"")], deadline)
+        send_parts(sock, [OFFER.pack(OFFER_MAGIC, out.name.encode() if out else b"",
+                                     ring_enabled())], deadline)
         offer = bytearray(OFFER.size)
         recv_exact(sock, memoryview(offer), deadline)
-        magic, name = OFFER.unpack(offer)
+        magic, name, ring_wanted = OFFER.unpack(offer)
         if magic != OFFER_MAGIC:
             raise ProtocolError("bad shared-memory offer")
         name = name.rstrip(b"\0")
@@ -118,22 +135,18 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
                 incoming = Region(name.decode(), create=False)
             except OSError:
                 incoming = None  # another machine, or /dev/shm unusable: TCP
-        send_parts(sock, [b"\x01" if incoming else b"\x00"], deadline)
+        if incoming is not None:
+            incoming.ring = bool(ring_wanted) and ring_enabled()
+        send_parts(sock, [b"\x00" if incoming is None else b"\x02" if incoming.ring
+                          else b"\x01"], deadline)
         reply = bytearray(1)
         recv_exact(sock, memoryview(reply), deadline)
     finally:
         if out is not None:
             out.unlink()
-    return (out if reply[0] == 1 else None), incoming
-
-
-def _check_peer(sock: socket.socket) -> None:
-    """Raise PeerClosed if the peer has closed the socket (without consuming anything)."""
-    try:
-        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-            raise PeerClosed("peer closed the connection")
-    except BlockingIOError:
-        pass
+    if out is not None:
+        out.ring = reply[0] == 2
+    return (out if reply[0] in (1, 2) else None), incoming
 
 
 def _wait_free(region: Region, i: int, sock: socket.socket, deadline: float) -> None:
@@ -142,7 +155,7 @@ def _wait_free(region: Region, i: int, sock: socket.socket, deadline: float) -> 
     while region.busy(i):
         if time.monotonic() >= deadline:
             raise WireTimeout()
-        _check_peer(sock)
+        ring.check_peer(sock)
         time.sleep(delay)
         delay = min(2 * delay, 1e-3)
 
@@ -152,31 +165,37 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def send(region: Region, sock: socket.socket, header: bytes, tensor: torch.Tensor,
-         deadline: float) -> None:
-    """Send a frame whose payload (the contiguous `tensor`) goes slot by slot through `region`."""
+def send(region: Region, stream, header: bytes, tensor: torch.Tensor, deadline: float) -> None:
+    """Send a frame whose payload (the contiguous `tensor`) goes slot by slot through `region`;
+    the header and a doorbell per slot go on `stream` (the link's socket or ring)."""
     payload = _bytes_of(tensor)
-    send_parts(sock, [with_flags(header, FLAG_SHM)], deadline)
+    stream.send([with_flags(header, FLAG_SHM)], deadline)
     for start in range(0, payload.numel(), SLOT_BYTES):
         piece = payload[start:start + SLOT_BYTES]
         i = region.take_slot()
-        _wait_free(region, i, sock, deadline)
+        _wait_free(region, i, stream.sock, deadline)
         region.slot(i, piece.numel()).copy_(piece)
         region.set_busy(i, True)
-        send_parts(sock, [DOORBELL], deadline)
+        stream.send([DOORBELL], deadline)
 
 
-def receive(region: Region, sock: socket.socket, target: torch.Tensor | None, nbytes: int,
-            deadline: float) -> None:
-    """Receive a marked frame's payload into `target` (contiguous), or drop it if None."""
-    target = None if target is None else _bytes_of(target)
+def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
+            deadline: float, combine=None) -> None:
+    """Receive a marked frame's payload into `target` (contiguous), or drop it if None; with
+    `combine(target_piece, slot_piece)`, each slot is reduced into the target where it lies
+    (slots hold whole elements: SLOT_BYTES is a multiple of every element size)."""
+    flat = None if target is None else target.reshape(-1)
+    raw = None if target is None else _bytes_of(target)
+    size = 1 if target is None else target.element_size()
     bell = bytearray(1)
     for start in range(0, nbytes, SLOT_BYTES):
-        recv_exact(sock, memoryview(bell), deadline)
+        stream.recv_exact(memoryview(bell), deadline)
         if bytes(bell) != DOORBELL:
             raise ProtocolError("bad shared-memory doorbell")
         i = region.take_slot()
         n = min(SLOT_BYTES, nbytes - start)
-        if target is not None:
-            target[start:start + n].copy_(region.slot(i, n))
+        if target is not None and combine is not None:
+            combine(flat[start // size:(start + n) // size], region.slot(i, n).view(target.dtype))
+        elif target is not None:
+            raw[start:start + n].copy_(region.slot(i, n))
         region.set_busy(i, False)

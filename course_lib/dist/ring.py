@@ -1,0 +1,165 @@
+"""The byte stream a link's frames travel on: its socket, or a ring in shared memory.
+
+Over loopback TCP a 4 KiB message pays two system calls and a wake-up by the scheduler before
+any of our code runs; MPI, between processes of one host, writes into shared memory and the
+receiver, polling a flag, sees it at once. `RingStream` does the same for one direction of a
+link on one machine: the writer copies bytes into a ring in its shared-memory region and
+advances `head`; the reader, which spins on `head` for `SPIN_SECONDS` before it sleeps,
+copies them out and advances `tail`. A sleeping reader is woken by one byte on the socket;
+as the flag that says it sleeps and `head` are written by different processes without an
+atomic instruction, a wake-up can be missed, so the reader also looks again every few
+milliseconds. The socket stays what tells a dead peer (it closes) and what a shut-down link
+wakes. Frames keep one order because every frame of that direction takes the ring.
+
+`SocketStream` is the same interface over the socket alone (another machine, or no shm).
+"""
+
+from __future__ import annotations
+
+import platform
+import select
+import socket
+import time
+
+from course_lib.dist.errors import ProtocolError
+from course_lib.dist.wire import PeerClosed, WireTimeout, recv_exact, send_parts, try_send
+
+SPIN_SECONDS = 50e-6  # spinning holds the GIL: long enough for a reply on its way, no more
+NAP_SECONDS = (0.001, 0.02)  # the sleeping reader's first and longest look-again interval
+
+
+def supported() -> bool:
+    """The ring relies on stores becoming visible in program order (x86's TSO), with no fences."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class SocketStream:
+    """A link direction's frames on its socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, parts: list, deadline: float) -> None:
+        send_parts(self.sock, parts, deadline)
+
+    def try_send(self, parts: list) -> list:
+        return try_send(self.sock, parts)
+
+    def recv_exact(self, view: memoryview, deadline: float) -> None:
+        recv_exact(self.sock, view, deadline)
+
+
+class RingStream:
+    """One direction of a link through a ring in shared memory (`ctrl`: the 8-byte head, the
+    8-byte tail and the reader's sleeping byte, each on its own cache line; `data`: the ring).
+    The writer end writes `head`, the reader end `tail` and `sleeping`."""
+
+    def __init__(self, sock: socket.socket, ctrl: memoryview, data: memoryview):
+        self.sock, self.data, self.size = sock, data, len(data)
+        self.head = ctrl[0:8].cast("Q")
+        self.tail = ctrl[64:72].cast("Q")
+        self.sleeping = ctrl[128:129]
+
+    # --- the writer end -------------------------------------------------------------------
+
+    def _put(self, parts: list) -> list:
+        """Copy what fits now; return what is left."""
+        head = self.head[0]
+        free = self.size - (head - self.tail[0])
+        left = []
+        for part in parts:
+            part = memoryview(part).cast("B") if not isinstance(part, memoryview) else part
+            if part.format != "B" or part.ndim != 1:
+                part = part.cast("B")
+            while len(part) and free:
+                pos = head % self.size
+                n = min(len(part), free, self.size - pos)
+                self.data[pos:pos + n] = part[:n]
+                head, free, part = head + n, free - n, part[n:]
+            if len(part):
+                left.append(part)
+        self.head[0] = head  # after the bytes: the reader never sees a head ahead of them
+        if self.sleeping[0]:
+            self._wake()
+        return left
+
+    def _wake(self) -> None:
+        try:
+            self.sock.send(b"\x01", socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pass  # the socket is full of wake-ups already
+        except OSError:
+            pass  # a dead link shows when the reader reads
+
+    def try_send(self, parts: list) -> list:
+        return self._put(parts)
+
+    def send(self, parts: list, deadline: float) -> None:
+        delay = 1e-6
+        parts = self._put(parts)
+        while parts:
+            if time.monotonic() >= deadline:
+                raise WireTimeout()
+            check_peer(self.sock)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+            parts = self._put(parts)
+
+    # --- the reader end -------------------------------------------------------------------
+
+    def recv_exact(self, view: memoryview, deadline: float) -> None:
+        n, got = len(view), 0
+        if view.format != "B":
+            view = view.cast("B")
+        while got < n:
+            tail = self.tail[0]
+            avail = self.head[0] - tail
+            if not avail:
+                self._wait(deadline, got)
+                continue
+            pos = tail % self.size
+            k = min(n - got, avail, self.size - pos)
+            view[got:got + k] = self.data[pos:pos + k]
+            self.tail[0] = tail + k
+            got += k
+
+    def _wait(self, deadline: float, got: int) -> None:
+        """Until `head` moves: spin briefly, then sleep on the socket, looking again often."""
+        start = time.perf_counter()
+        tail = self.tail[0]
+        while time.perf_counter() - start < SPIN_SECONDS:
+            if self.head[0] != tail:
+                return
+        nap = NAP_SECONDS[0]
+        self.sleeping[0] = 1
+        try:
+            while self.head[0] == tail:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WireTimeout(got)
+                ready, _, _ = select.select([self.sock], [], [], min(nap, remaining))
+                if ready:
+                    self._drain_wakeups()
+                nap = min(2 * nap, NAP_SECONDS[1])
+        finally:
+            self.sleeping[0] = 0
+
+    def _drain_wakeups(self) -> None:
+        """Read the wake-up bytes; anything else on this socket is a peer breaking protocol."""
+        try:
+            data = self.sock.recv(4096, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            raise PeerClosed("peer closed the connection")
+        if data.strip(b"\x01"):
+            raise ProtocolError("bytes other than wake-ups on a shared-memory link's socket")
+
+
+def check_peer(sock: socket.socket) -> None:
+    """Raise PeerClosed if the peer has closed the socket (without consuming anything)."""
+    try:
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            raise PeerClosed("peer closed the connection")
+    except BlockingIOError:
+        pass
