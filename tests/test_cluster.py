@@ -226,11 +226,28 @@ def mpi_rank_and_sum():
     return MPI.COMM_WORLD.Get_rank(), get_rank(), float(buf[0])
 
 
+def ddp_on_the_engines_dist():
+    """Lesson 10: on MPI engines, components find course_lib.mpi as their dist."""
+    import torch
+    from torch import nn
+    from course_lib import mpi
+    from course_lib.backend import default_dist
+    from course_lib.ddp import DistributedDataParallel
+
+    torch.manual_seed(default_dist().get_rank())  # different weights: DDP broadcasts rank 0's
+    ddp = DistributedDataParallel(nn.Linear(3, 2))
+    ddp(torch.ones(1, 3) * (default_dist().get_rank() + 1)).sum().backward()
+    return default_dist() is mpi, ddp.module.weight.grad.tolist()
+
+
 @pytest.mark.mpi
 def test_mpi_engines_under_the_wheels_mpiexec():
     pytest.importorskip("mpi4py")
     with cl.start(2, engines="mpi", backend="mpi") as c:
         assert c.run(mpi_rank_and_sum) == [(0, 0, 3.0), (1, 1, 3.0)]
+        (is_mpi0, grad0), (is_mpi1, grad1) = c.run(ddp_on_the_engines_dist)
+        assert is_mpi0 and is_mpi1
+        assert grad0 == grad1 == [[1.5] * 3] * 2  # d(sum)/dW averaged over inputs 1 and 2
         pids = [pid for pid, _ in c._procs]
     assert not wait_gone(pids, 10)
 

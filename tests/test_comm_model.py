@@ -1,6 +1,7 @@
 """The alpha-beta-gamma model: the fit recovers known parameters, the choice is the cheapest,
 the table says what the choice says, all_reduce("auto") runs the table's algorithm; and the
-hierarchical all_reduce sums over every rank with one rank per host talking across hosts."""
+hierarchical all_reduce sums over every rank with one rank per host talking across hosts
+(6 ranks as 2 hosts of 3 and as 3 hosts of 2)."""
 
 from __future__ import annotations
 
@@ -88,32 +89,38 @@ def test_auto_runs_the_fitted_tables_choice():
     assert results[0]["fit"][0] > 0  # a latency was measured
 
 
-def hierarchical_worker(rank: int, world: int, per_host: int) -> dict:
+def hierarchical_worker(rank: int, world: int) -> dict:
+    """On 6 ranks, as 2 hosts of 3 and as 3 hosts of 2 (one spawn for both layouts)."""
     from course_lib import dist
     from course_lib.counting import CountingDist
     from course_lib.hierarchical import hierarchical_all_reduce, host_groups
 
-    counting = CountingDist(dist)
-    hosts = host_groups(per_host, dist=counting)
-    t = torch.arange(10, dtype=torch.float64) * (rank + 1)
-    counting.reset()
-    hierarchical_all_reduce(t, hosts)
-    return {"t": t.numpy(), "calls": dict(counting.calls), "leader": hosts.leaders is not None}
+    out = {}
+    for per_host in (3, 2):
+        counting = CountingDist(dist)
+        hosts = host_groups(per_host, dist=counting)
+        t = torch.arange(10, dtype=torch.float64) * (rank + 1)
+        counting.reset()
+        hierarchical_all_reduce(t, hosts)
+        out[per_host] = {"t": t.numpy(), "calls": dict(counting.calls),
+                         "leader": hosts.leaders is not None}
+    return out
 
 
-@pytest.mark.parametrize("world,per_host", [(4, 2), (6, 3)])
-def test_hierarchical_all_reduce_sums_over_hosts(world, per_host):
-    results = spawn(hierarchical_worker, world, per_host, backend="scratch", timeout=60)
-    want = torch.arange(10, dtype=torch.float64) * sum(range(1, world + 1))
-    for rank, out in enumerate(results):
-        torch.testing.assert_close(torch.as_tensor(out["t"]), want, rtol=0, atol=0)
-        # One reduce and one broadcast inside the host; the cross-host all_reduce only on
-        # each host's first rank.
-        assert out["leader"] == (rank % per_host == 0)
-        want_calls = {"reduce": 1, "broadcast": 1}
-        if out["leader"]:
-            want_calls["all_reduce"] = 1
-        assert out["calls"] == want_calls, rank
+def test_hierarchical_all_reduce_sums_over_hosts():
+    results = spawn(hierarchical_worker, 6, backend="scratch", timeout=60)
+    want = torch.arange(10, dtype=torch.float64) * sum(range(1, 7))
+    for per_host in (3, 2):
+        for rank, by_layout in enumerate(results):
+            out = by_layout[per_host]
+            torch.testing.assert_close(torch.as_tensor(out["t"]), want, rtol=0, atol=0)
+            # One reduce and one broadcast inside the host; the cross-host all_reduce only on
+            # each host's first rank.
+            assert out["leader"] == (rank % per_host == 0)
+            want_calls = {"reduce": 1, "broadcast": 1}
+            if out["leader"]:
+                want_calls["all_reduce"] = 1
+            assert out["calls"] == want_calls, (per_host, rank)
 
 
 def test_hierarchical_layout_that_does_not_fit_is_an_error():

@@ -163,16 +163,15 @@ def test_the_cluster_reads_every_record_while_the_engines_are_stuck(monkeypatch)
     with start(2, backend="scratch", timeout=60) as c:
         running = c.view.apply_async(stuck)
         deadline = time.monotonic() + 3.0
-        while True:  # until rank 1 has entered its barrier
+        while True:  # until rank 1 is in its barrier, in records read after rank 0's
             records = c.flight_records(timeout=5)
-            newest = max(records[1]["groups"], key=int)
-            entries = records[1]["groups"][newest]["entries"]
-            if len(entries) == 2 or time.monotonic() > deadline:
+            entries = records[1]["groups"][max(records[1]["groups"], key=int)]["entries"]
+            mine = records[0]["groups"][max(records[0]["groups"], key=int)]  # ids are per rank
+            if (len(entries) == 2 and mine["entries"]) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
             (0, "all_reduce", "completed"), (1, "barrier", "started")]
-        mine = records[0]["groups"][max(records[0]["groups"], key=int)]  # ids are per rank
         assert [e["op"] for e in mine["entries"]] == ["all_reduce"]
         assert running.get(timeout=30)[1] == "gave up"
         monkeypatch.setattr(c, "backend", "gloo")

@@ -3,7 +3,8 @@
     from course_lib import dist
     dist.all_reduce(t, op=dist.ReduceOp.SUM, algorithm="ring")
 
-Layers, each its own file, bottom up: `wire` (frames, handshake) -> `shm` (large payloads to a
+Layers, each its own file, bottom up: `wire` (frames, handshake) -> `ring` (the byte stream a
+link's frames take: its socket, or a ring in shared memory) -> `shm` (large payloads to a
 rank on this machine) -> `work` (an operation in flight), `matching` (which receive a message
 fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
 travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
