@@ -18,6 +18,7 @@ a user-defined MPI operation.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from course_lib.dist.collectives import check_op
+from course_lib.dist.collectives import check_list, check_op
 from course_lib.dist.errors import DistTimeoutError
 from course_lib.dist.group import ReduceOp
 from course_lib.dist.work import seconds
@@ -50,9 +51,7 @@ _state: dict[str, Any] = {}
 
 def unavailable() -> str | None:
     """None if MPI programs can run here, else why not (what to install)."""
-    try:
-        import mpi4py  # noqa: F401 - only whether it imports
-    except ImportError:
+    if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not importable (pip install mpi4py mpich)"
     if not (Path(sys.executable).parent / "mpiexec").exists():
         return f"no mpiexec next to {sys.executable} (pip install mpich)"
@@ -319,16 +318,6 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
     return _issue(Work(request, "reduce", dst, then, [tensor], keep=(buf,)), async_op)
 
 
-def _check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
-                what: str) -> None:
-    if tensors is None or len(tensors) != p:
-        raise ValueError(f"{what} must hold one tensor per rank of the group ({p})")
-    for t in tensors:
-        if t.shape != like.shape or t.dtype != like.dtype:
-            raise ValueError(f"{what}: every tensor must be {like.dtype} {list(like.shape)}, "
-                             f"got {t.dtype} {list(t.shape)}")
-
-
 def _scatter_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
     def copy_out() -> None:
         for t, piece in zip(tensors, flat.chunk(len(tensors))):
@@ -340,7 +329,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: Group | None = None, async_op: bool = False) -> Work | None:
     g = _group(group, "all_gather")
     p = g.comm.Get_size()
-    _check_list(tensor_list, tensor, p, "tensor_list")
+    check_list(tensor_list, tensor, p, "tensor_list")
     out = torch.empty(p * tensor.numel(), dtype=tensor.dtype)
     send = tensor.detach().contiguous()
     request = g.comm.Iallgather(_buffer(send), _buffer(out))
@@ -353,7 +342,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                    async_op: bool = False) -> Work | None:
     """MPI_Ireduce_scatter_block: output on rank i = input_list[i] reduced over all ranks."""
     op, g = check_op(op), _group(group, "reduce_scatter")
-    _check_list(input_list, output, g.comm.Get_size(), "input_list")
+    check_list(input_list, output, g.comm.Get_size(), "input_list")
     send = torch.cat([t.detach().reshape(-1) for t in input_list])
     recv, copy_back = _contiguous(output)
     request = g.comm.Ireduce_scatter_block(_buffer(send), _buffer(recv), _mpi_op(send, op))
@@ -369,7 +358,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     send = tensor.detach().contiguous()
     out = None
     if g.comm.Get_rank() == root:
-        _check_list(gather_list, tensor, p, "gather_list")
+        check_list(gather_list, tensor, p, "gather_list")
         out = torch.empty(p * tensor.numel(), dtype=tensor.dtype)
         request = g.comm.Igather(_buffer(send), _buffer(out), root=root)
         then = _scatter_into(out, gather_list)
@@ -385,7 +374,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     recv, copy_back = _contiguous(tensor)
     send = None
     if g.comm.Get_rank() == root:
-        _check_list(scatter_list, tensor, g.comm.Get_size(), "scatter_list")
+        check_list(scatter_list, tensor, g.comm.Get_size(), "scatter_list")
         send = torch.cat([t.detach().reshape(-1) for t in scatter_list])
     request = g.comm.Iscatter(None if send is None else _buffer(send), _buffer(recv), root=root)
     return _issue(Work(request, "scatter", src, copy_back, [tensor], keep=(send, recv)),

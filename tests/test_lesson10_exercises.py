@@ -111,11 +111,8 @@ def test_compress_with_feedback_solution_and_mistakes():
 
 # lesson10.powersgd_step -----------------------------------------------------------------------
 
-def no_orthogonalization(matrices, qs, *, dist=None, group=None, epsilon=0.0):
-    ps = [torch.bmm(m, q) for m, q in zip(matrices, qs)]
-    flat = torch.cat([p.reshape(-1) for p in ps])
-    dist.all_reduce(flat, group=group)
-    ps = [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in ps]), ps)]
+def _q_round(matrices, ps, qs, dist, group):
+    """The step's second half, done right: Q = M^T P summed and averaged, M = P Q^T."""
     for m, p, q in zip(matrices, ps, qs):
         q.copy_(torch.bmm(m.transpose(1, 2), p))
     flat = torch.cat([q.reshape(-1) for q in qs])
@@ -124,6 +121,14 @@ def no_orthogonalization(matrices, qs, *, dist=None, group=None, epsilon=0.0):
     for m, p, q, f in zip(matrices, ps, qs, flat.split([q.numel() for q in qs])):
         q.copy_(f.view_as(q))
         m.copy_(torch.bmm(p, q.transpose(1, 2)))
+
+
+def no_orthogonalization(matrices, qs, *, dist=None, group=None, epsilon=0.0):
+    ps = [torch.bmm(m, q) for m, q in zip(matrices, qs)]
+    flat = torch.cat([p.reshape(-1) for p in ps])
+    dist.all_reduce(flat, group=group)
+    ps = [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in ps]), ps)]
+    _q_round(matrices, ps, qs, dist, group)
 
 
 def one_all_reduce_per_matrix(matrices, qs, *, dist=None, group=None, epsilon=0.0):
@@ -155,14 +160,7 @@ def local_p(matrices, qs, *, dist=None, group=None, epsilon=0.0):
     dist.all_reduce(torch.cat([p.reshape(-1) for p in ps]), group=group)  # result ignored
     for p in ps:
         orthogonalize_(p, epsilon)
-    for m, p, q in zip(matrices, ps, qs):
-        q.copy_(torch.bmm(m.transpose(1, 2), p))
-    flat = torch.cat([q.reshape(-1) for q in qs])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    for m, p, q, f in zip(matrices, ps, qs, flat.split([q.numel() for q in qs])):
-        q.copy_(f.view_as(q))
-        m.copy_(torch.bmm(p, q.transpose(1, 2)))
+    _q_round(matrices, ps, qs, dist, group)
 
 
 def test_powersgd_step_solution_and_mistakes(c4):

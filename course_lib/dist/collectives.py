@@ -105,9 +105,9 @@ def _wait(works: Sequence[Work]) -> None:
         w.wait()
 
 __all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "reducer",
-    "broadcast", "reduce", "gather", "scatter", "ring_reduce_scatter_", "ring_all_gather_",
-    "all_gather", "reduce_scatter", "all_reduce", "table_choice", "set_all_reduce_table",
-    "barrier"]
+    "broadcast", "reduce", "check_list", "gather", "scatter", "ring_reduce_scatter_",
+    "ring_all_gather_", "all_gather", "reduce_scatter", "all_reduce", "table_choice",
+    "set_all_reduce_table", "barrier"]
 
 
 # %% solutions/02_collectives.ipynb, cell 17
@@ -171,7 +171,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
     return _run(group, name, async_op, body, tensor)
 
 
-def _check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
+def check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
                 what: str) -> None:
     if tensors is None or len(tensors) != p:
         raise ValueError(f"{what} must hold one tensor per rank of the group ({p})")
@@ -188,7 +188,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         root = g.group_rank(dst, "dst")
         if g.rank != root:
             return g.send(tensor, root, tag, "gather")
-        _check_list(gather_list, tensor, g.size, "gather_list")
+        check_list(gather_list, tensor, g.size, "gather_list")
         for i, out in enumerate(gather_list):
             if i == root:
                 out.copy_(tensor)
@@ -205,7 +205,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         root = g.group_rank(src, "src")
         if g.rank != root:
             return g.recv(tensor, root, tag, "scatter")
-        _check_list(scatter_list, tensor, g.size, "scatter_list")
+        check_list(scatter_list, tensor, g.size, "scatter_list")
         sends = [g.isend(t, i, tag, "scatter") for i, t in enumerate(scatter_list) if i != root]
         tensor.copy_(scatter_list[root])
         _wait(sends)
@@ -252,7 +252,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Every rank receives every rank's tensor into tensor_list (ring, p-1 steps)."""
     def body(g: ProcessGroup, tag: int) -> None:
-        _check_list(tensor_list, tensor, g.size, "tensor_list")
+        check_list(tensor_list, tensor, g.size, "tensor_list")
         tensor_list[g.rank].copy_(tensor)
         if g.size == 1 or tensor.numel() == 0:
             return
@@ -271,7 +271,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     op = check_op(op)
 
     def body(g: ProcessGroup, tag: int) -> None:
-        _check_list(input_list, output, g.size, "input_list")
+        check_list(input_list, output, g.size, "input_list")
         chunks = [t.detach().reshape(-1).clone() for t in input_list]  # inputs stay unchanged
         if g.size > 1 and output.numel() > 0:
             _wait(ring_reduce_scatter_(g, chunks, op, tag, "reduce_scatter"))
