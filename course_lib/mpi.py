@@ -73,10 +73,16 @@ def launch(world_size: int, args: Sequence[str], timeout: float,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException as exc:  # the timeout, or an interrupt: end the whole group first
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it had just ended by itself
         proc.communicate()
-        raise RuntimeError(f"mpiexec -n {world_size} did not finish within {timeout:g}s") from None
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise RuntimeError(f"mpiexec -n {world_size} did not finish within "
+                               f"{timeout:g}s") from None
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"mpiexec -n {world_size} exited with {proc.returncode}:\n{err[-3000:]}")
     return out

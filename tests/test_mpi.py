@@ -188,3 +188,29 @@ def test_mpi_without_mpiexec_is_a_clear_error(monkeypatch):
         mpi.init_process_group()
     with pytest.raises(RuntimeError, match="call init_process_group"):
         mpi.all_reduce(torch.ones(1))
+
+
+def test_mpiexec_that_outlives_its_timeout_is_ended():
+    if why := mpi.unavailable():
+        pytest.skip(why)
+    import time
+
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="mpiexec -n 2 did not finish within 3s"):
+        mpi.launch(2, ["-c", "import time; time.sleep(120)"], timeout=3)
+    assert time.monotonic() - start < 20
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert psutil.wait_procs(left, timeout=5)[1] == [], left
+    # The MPI ranks themselves (grandchildren, in mpiexec's own process group) are gone too:
+    # looked for by their command line, only to check.
+    deadline = time.monotonic() + 5
+    while True:
+        ranks = [p for p in psutil.process_iter(["cmdline"])
+                 if "import time; time.sleep(120)" in " ".join(p.info["cmdline"] or [])]
+        if not ranks or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert ranks == [], ranks
