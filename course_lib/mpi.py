@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -34,6 +32,7 @@ from course_lib.dist.collectives import check_list, check_op
 from course_lib.dist.errors import DistTimeoutError
 from course_lib.dist.group import ReduceOp
 from course_lib.dist.work import seconds
+from course_lib.processes import run_session
 
 __all__ = ["DEFAULT_TIMEOUT", "unavailable", "launch", "Group", "init_process_group",
     "is_initialized", "destroy_process_group", "get_backend", "get_rank", "get_world_size",
@@ -62,30 +61,13 @@ def launch(world_size: int, args: Sequence[str], timeout: float,
            env: dict[str, str] | None = None) -> str:
     """Run `python ARGS` on `world_size` processes under the mpiexec next to this Python and
     return its stdout (`env`: extra variables, e.g. MPICH's MPIR_CVAR_* to force an
-    algorithm). Its own process group, ended by that group's id if it outlives `timeout`; a
-    non-zero exit raises with the end of its stderr."""
+    algorithm), in its own process group, ended if it outlives `timeout` (`run_session`)."""
     why = unavailable()
     if why:
         raise RuntimeError(f"course_lib.mpi: cannot run mpiexec: {why}")
     cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(world_size), sys.executable,
            *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException as exc:  # the timeout, or an interrupt: end the whole group first
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it had just ended by itself
-        proc.communicate()
-        if isinstance(exc, subprocess.TimeoutExpired):
-            raise RuntimeError(f"mpiexec -n {world_size} did not finish within "
-                               f"{timeout:g}s") from None
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"mpiexec -n {world_size} exited with {proc.returncode}:\n{err[-3000:]}")
-    return out
+    return run_session(cmd, timeout, f"mpiexec -n {world_size}", env).stdout
 
 
 def _MPI():

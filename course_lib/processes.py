@@ -9,6 +9,8 @@ it was recorded with, so a recycled PID is left alone; nothing is killed by name
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 import time
 from typing import Iterable, Iterator
@@ -117,3 +119,27 @@ def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psuti
     while (still := [p for p in procs if running(p.pid)]) and time.monotonic() < deadline:
         time.sleep(0.02)
     return still
+
+
+def run_session(cmd: list[str], timeout: float, what: str,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a launcher (mpiexec, torchrun) in its own session and return its output. The whole
+    process group, the workers it started too, is ended by the group's id if it outlives
+    `timeout` or on any exception (an interrupt too); a non-zero exit raises with the end of
+    its stderr. `what` names it in those errors."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group we created, by its id
+        except ProcessLookupError:
+            pass  # it had just ended by itself
+        proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise RuntimeError(f"{what} did not finish within {timeout:g}s") from None
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited with {proc.returncode}:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -1,0 +1,192 @@
+"""A small GPT in nanoGPT's shape, built so the capstone's layouts can cut it up.
+
+Token and position embeddings, pre-norm blocks of causal self-attention and MLP, a final layer
+norm and an output head tied to the token embedding. The model is an `nn.Sequential`
+(embedding, blocks..., head) so a pipeline stage is a slice of it, and the attention and MLP
+keep lesson 06's attribute names (`qkv`, `out_proj`, `fc1`, `fc2`) and forward function, so
+tensor parallelism swaps them for their sharded versions without changing the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                        TensorParallelAttention, TensorParallelMLP,
+                                        attention_forward)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The model's shape (nanoGPT's names)."""
+    vocab_size: int = 62
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+
+
+def load_text(name: str = "shakespeare") -> str:
+    """A text shipped with the package (`course_lib/texts/`), never downloaded."""
+    return resources.files("course_lib").joinpath("texts", f"{name}.txt").read_text("utf-8")
+
+
+class CharTokenizer:
+    """Characters to ids and back; the vocabulary is the text's characters, sorted."""
+
+    def __init__(self, text: str):
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        unknown = sorted(set(text) - set(self.index))
+        if unknown:
+            raise ValueError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+        return torch.tensor([self.index[c] for c in text], dtype=torch.int64)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return "".join(self.chars[i] for i in ids.tolist())
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention with a packed q, k, v projection; the forward is
+    lesson 06's `attention_forward`, with every head local."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) is not divisible by n_head ({cfg.n_head})")
+        self.embed_dim, self.num_heads = cfg.n_embd, cfg.n_head
+        self.local_heads, self.head_dim, self.causal = cfg.n_head, cfg.n_embd // cfg.n_head, True
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention_forward(self, x)
+
+
+class MLP(nn.Module):
+    """fc2(gelu(fc1(x))), four times wider inside."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.fc2 = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(x)). With `checkpoint_activations` the block keeps
+    only its input for backward and recomputes the rest there."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), SelfAttention(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
+        self.checkpoint_activations = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Embedding(nn.Module):
+    """Token plus position embeddings of a (batch, seq) tensor of ids."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size "
+                             f"{self.block_size}")
+        return self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+
+
+class Head(nn.Module):
+    """Final layer norm and the output projection, whose weight is the token embedding's."""
+
+    def __init__(self, cfg: GPTConfig, weight: nn.Parameter):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln_f(x), self.weight)
+
+
+class GPT(nn.Sequential):
+    """Embedding, `n_layer` blocks, head: logits (batch, seq, vocab) from ids (batch, seq)."""
+
+    def __init__(self, cfg: GPTConfig):
+        embedding = Embedding(cfg)
+        super().__init__(embedding, *(Block(cfg) for _ in range(cfg.n_layer)),
+                         Head(cfg, embedding.wte.weight))
+        self.config = cfg
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith(("out_proj.weight", "fc2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample `max_new_tokens` more ids after `idx` (batch, seq), one at a time."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[:, -1, :] / temperature
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
+    """Checkpoint every block of `model` (or stop)."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.checkpoint_activations = on
+
+
+def parallelize_blocks(model: nn.Module, *, dist: Any = None, group: Any = None) -> None:
+    """Swap each block's attention and MLP for lesson 06's tensor-parallel versions holding this
+    rank's heads and hidden units of the same weights; embeddings, norms and head stay whole."""
+    for m in model.modules():
+        if not isinstance(m, Block):
+            continue
+        attn = m.attn
+        with torch.random.fork_rng(devices=[]):  # their own inits are overwritten here
+            tp = TensorParallelAttention(attn.embed_dim, attn.num_heads, causal=True, dist=dist,
+                                         group=group)
+            m.mlp = TensorParallelMLP.from_linears(m.mlp.fc1, m.mlp.fc2, dist=dist, group=group)
+        tp.qkv = ColumnParallelLinear.from_linear(attn.qkv, dist=dist, group=group, parts=3)
+        tp.out_proj = RowParallelLinear.from_linear(attn.out_proj, dist=dist, group=group)
+        m.attn = tp

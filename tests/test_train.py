@@ -1,0 +1,170 @@
+"""The capstone's run against one process: every layout's loss per step, the numerics, the CLI.
+
+Every layout trains the same tiny GPT on the same global batches as one process does
+(`reference_losses`); float32 losses agree within 1e-5 relative (the layouts only change the
+order of sums: micro-batch means, partial matmuls summed by TP's all-reduce, DDP's averages;
+measured differences are ~2e-7). All layouts run in one 4-rank spawn to pay start-up once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from course_lib.gpt import GPT, GPTConfig, set_activation_checkpointing
+from course_lib.accumulation import saved_activation_bytes
+from course_lib.spawn import spawn
+from course_lib.train import (DynamicLossScaler, TrainConfig, check_config, reference_losses,
+                              torchrun, train, update_scale)
+
+TINY = TrainConfig(steps=20, batch_size=8, micro_batches=2, block_size=16, n_layer=2, n_head=2,
+                   n_embd=32)
+FP32_RTOL = 1e-5
+BF16_RTOL = 2e-3  # bf16 keeps 8 bits of mantissa: partial sums rounded in another order
+LAYOUTS = {
+    "(4,1,1) DDP": dict(dp=4),
+    "(2,2,1)": dict(dp=2, tp=2),
+    "(2,1,2)": dict(dp=2, pp=2),
+    "(1,2,2) checkpointed": dict(tp=2, pp=2, checkpoint_activations=True),
+    "(2,2,1) ZeRO-1": dict(dp=2, tp=2, zero=1),
+    "(2,2,1) ZeRO-3": dict(dp=2, tp=2, zero=3),
+    "(4,1,1) ZeRO-3, no accumulation": dict(dp=4, zero=3, micro_batches=1),
+    "(2,2,1) bf16": dict(dp=2, tp=2, precision="bf16"),
+    "(4,1,1) bf16, bf16 reduction": dict(dp=4, precision="bf16", reduce_dtype="bf16"),
+    "(2,1,2) fp16, overflow at step 3": dict(dp=2, pp=2, precision="fp16"),
+}
+INF_STEP, INF_RANK = 3, 3
+
+
+def inject_inf(run) -> None:
+    """An overflow in one gradient of one rank at one step (what fp16 meets in practice)."""
+    if run.steps_done == INF_STEP and run.dist.get_rank() == INF_RANK % run.dist.get_world_size():
+        p = next(p for p in run.stage.parameters() if p.grad is not None)
+        p.grad.view(-1)[0] = float("inf")
+
+
+def run_layouts(rank: int, world: int, cfgs: dict) -> dict:
+    return {name: train(cfg, after_backward=inject_inf if cfg.precision == "fp16" else None)
+            for name, cfg in cfgs.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    cfgs = {name: dataclasses.replace(TINY, **kw) for name, kw in LAYOUTS.items()}
+    return spawn(run_layouts, 4, cfgs, backend="scratch", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {p: reference_losses(dataclasses.replace(TINY, precision=p)) for p in ("fp32", "bf16")}
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" not in n and "fp16" not in n])
+def test_fp32_layout_matches_one_process(results, reference, name):
+    losses = results[0][name]["losses"]
+    assert len(losses) == TINY.steps
+    assert all(r[name]["losses"] == losses for r in results), "ranks disagree on the loss"
+    assert rel(losses, reference["fp32"]) < FP32_RTOL
+    assert losses[-1] < losses[0] - 0.05, "the loss did not fall"
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" in n])
+def test_bf16_layout_matches_one_process_in_bf16(results, reference, name):
+    losses = results[0][name]["losses"]
+    assert rel(losses, reference["bf16"]) < BF16_RTOL
+    assert losses != reference["fp32"], "bf16 computed exactly what fp32 does: no autocast?"
+    assert rel(reference["bf16"], reference["fp32"]) < BF16_RTOL
+
+
+def test_bf16_keeps_fp32_master_weights(results):
+    mem = results[0]["(2,2,1) bf16"]["memory"]
+    assert mem == results[0]["(2,2,1)"]["memory"]  # same bytes: weights, grads, Adam all fp32
+
+
+def test_fp16_overflow_skips_the_step_everywhere_and_shrinks_the_scale(results, reference):
+    name = "(2,1,2) fp16, overflow at step 3"
+    for r in results:
+        assert r[name]["skipped"] == [i == INF_STEP for i in range(TINY.steps)]
+        assert r[name]["scale"] == TINY.init_scale / 2
+    losses = results[0][name]["losses"]
+    # The skipped step leaves the weights alone: the next step sees the same model again
+    # (a different batch), and training goes on close to fp32's.
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.05
+
+
+def test_fp16_reference_with_the_same_skip(results):
+    """One process with the same injected overflow: the same losses as the 4-rank pipeline."""
+    from course_lib import dist as scratch
+    cfg = dataclasses.replace(TINY, precision="fp16", micro_batches=1)
+    scratch.init_process_group(rank=0, world_size=1)
+    try:
+        one = train(cfg, dist=scratch, after_backward=inject_inf)
+    finally:
+        scratch.destroy_process_group()
+    name = "(2,1,2) fp16, overflow at step 3"
+    assert one["skipped"] == results[0][name]["skipped"]
+    assert rel(results[0][name]["losses"], one["losses"]) < BF16_RTOL
+
+
+@pytest.mark.parametrize("found,tracker,expected", [
+    (True, 5, (0.5, 0)),        # overflow: shrink, restart the count
+    (False, 0, (1.0, 1)),       # clean: count
+    (False, 2, (2.0, 0)),       # the interval-th clean step in a row: grow, restart
+    (False, 1, (1.0, 2)),
+])
+def test_update_scale(found, tracker, expected):
+    assert update_scale(1.0, tracker, found, growth_interval=3) == expected
+
+
+def test_scaler_grows_after_clean_steps():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    for found in (False, False, True, False):
+        s.update(found)
+    assert (s.scale, s.growth_tracker) == (8.0, 1)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=20, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    x = torch.randint(0, 20, (4, 16))
+
+    def grads():
+        model.zero_grad()
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain, plain_bytes = grads(), saved_activation_bytes(model, x)
+    set_activation_checkpointing(model, True)
+    ckpt, ckpt_bytes = grads(), saved_activation_bytes(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+    assert ckpt_bytes < plain_bytes / 2
+
+
+@pytest.mark.parametrize("kw,named", [
+    (dict(dp=3, tp=2, pp=1), "dp=3 x tp=2 x pp=1 = 6, but the world has 4"),
+    (dict(dp=1, tp=4, pp=1, n_head=2), "n_head=2 is not divisible by tp=4"),
+    (dict(dp=1, tp=1, pp=4, n_layer=6), "n_layer=6 is not divisible by pp=4"),
+    (dict(dp=4, batch_size=6), "batch_size=6 is not divisible by dp=4"),
+    (dict(dp=2, pp=2, zero=1), "zero=1 with pp=2"),
+    (dict(dp=4, precision="fp8"), "precision='fp8'"),
+])
+def test_bad_layout_is_named_before_anything_runs(kw, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_config(dataclasses.replace(TINY, **kw), 4)
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_same_training(tmp_path, reference):
+    cfg = dataclasses.replace(TINY, dp=2, tp=2, steps=3)
+    result = torchrun(cfg, nproc_per_node=4, json_file=tmp_path / "run.json", timeout=240)
+    assert result["config"]["tp"] == 2 and result["rank"] == 0
+    assert rel(result["losses"], reference["fp32"][:3]) < FP32_RTOL
