@@ -36,6 +36,27 @@ def check_degrees(dp: int, tp: int, pp: int, world_size: int) -> dict[str, int]:
     return degrees
 
 
+def layout_groups(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group along each axis as its global ranks, in order of their coordinate on that
+    axis, the groups ordered by their first rank: tp groups are contiguous ranks, dp groups
+    stay inside one pipeline stage, pp groups run across the stages."""
+    ### BEGIN SOLUTION
+    def rank(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    groups: dict[str, list[list[int]]] = {"pp": [], "dp": [], "tp": []}
+    for p in range(pp):
+        for d in range(dp):
+            groups["tp"].append([rank(p, d, t) for t in range(tp)])
+        for t in range(tp):
+            groups["dp"].append([rank(p, d, t) for d in range(dp)])
+    for d in range(dp):
+        for t in range(tp):
+            groups["pp"].append([rank(p, d, t) for p in range(pp)])
+    ### END SOLUTION
+    return groups
+
+
 class ParallelLayout:
     """Degrees (dp, tp, pp), this rank's coordinate on each axis, and the groups it is in."""
 
@@ -45,8 +66,9 @@ class ParallelLayout:
         self.degrees = check_degrees(dp, tp, pp, self.world_size)
         self.coords = self.coordinates(self.rank)
         self.groups: dict[str, Any] = {}
+        every = layout_groups(dp, tp, pp)
         for axis in AXES:  # every rank creates every group, in this order
-            for ranks in self.all_groups(axis):
+            for ranks in every[axis]:
                 group = self.dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[axis] = group
@@ -87,12 +109,7 @@ class ParallelLayout:
 
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`, each as its global ranks, ordered by their first rank."""
-        found: list[list[int]] = []
-        for r in range(self.world_size):
-            ranks = self.ranks(axis, r)
-            if ranks not in found:
-                found.append(ranks)
-        return found
+        return layout_groups(self.dp, self.tp, self.pp)[axis]
 
     def group(self, axis: str) -> Any:
         """This rank's process group along `axis`, to pass as `group=` to a component."""

@@ -33,7 +33,7 @@ from course_lib.gpt import (GPT, CharTokenizer, GPTConfig, load_text, paralleliz
 from course_lib.layout import ParallelLayout, check_degrees
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.processes import run_session
-from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
+from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes, storage_bytes
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,6 +60,8 @@ class TrainConfig:
     n_embd: int = 128
     init_scale: float = 2.0 ** 16  # fp16's loss scaler
     growth_interval: int = 200
+    sample: int = 0               # characters to sample from the trained model (pp = 1)
+    stack: str = "course"         # "torch": torch's DDP, ZeroRedundancyOptimizer or FSDP2 instead
     progress: bool = False
 
     def model_config(self, vocab_size: int) -> GPTConfig:
@@ -91,6 +93,13 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.reduce_dtype != "fp32" and (cfg.zero or cfg.pp > 1):
         problems.append(f"reduce_dtype={cfg.reduce_dtype!r} is DDP's comm hook: it needs "
                         "zero=0 and pp=1")
+    if cfg.stack not in ("course", "torch"):
+        problems.append(f"stack={cfg.stack!r}: choose 'course' or 'torch'")
+    if cfg.stack == "torch" and (cfg.tp > 1 or cfg.pp > 1 or cfg.reduce_dtype != "fp32"):
+        problems.append(f"stack='torch' runs torch's data-parallel wrappers: it needs tp=1 and "
+                        f"pp=1 (got tp={cfg.tp}, pp={cfg.pp}) and fp32 reduction")
+    if cfg.sample and cfg.pp > 1:
+        problems.append(f"sample={cfg.sample} needs the whole model on a rank (pp=1)")
     if problems:
         raise ValueError("TrainConfig: " + "; ".join(problems))
 
@@ -231,26 +240,18 @@ class Run:
             parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
         self.stage = stage_layers(self.model, cfg.pp, c["pp"])
         self.is_first, self.is_last = c["pp"] == 0, c["pp"] == cfg.pp - 1
-        dp_group = self.layout.group("dp")
-        if cfg.zero == 3:  # a unit per block; the root holds the embedding and its tied head
-            for block in list(self.stage)[1:-1]:
-                fully_shard(block, dist=self.dist, group=dp_group)
-            fully_shard(self.stage, dist=self.dist, group=dp_group)
-        self.module: nn.Module = Precision(self.stage, cfg.precision)
-        kwargs = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
-        if cfg.zero == 1:
-            self.optimizer = ZeroRedundancyOptimizer(self.stage.parameters(), torch.optim.AdamW,
-                                                     dist=self.dist, group=dp_group, **kwargs)
-        else:
-            self.optimizer = torch.optim.AdamW(self.stage.parameters(), **kwargs)
-        if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
-            self.module = DistributedDataParallel(self.module, dist=self.dist, group=dp_group)
-            if cfg.reduce_dtype == "bf16":
-                self.module.register_comm_hook(dp_group, bf16_compress_hook)
+        self.module, self.optimizer = (wrap_torch if cfg.stack == "torch" else wrap)(self)
         self.scaler = (DynamicLossScaler(cfg.init_scale, cfg.growth_interval)
                        if cfg.precision == "fp16" else None)
         self.vocab_size = self.tokenizer.vocab_size
-        self.steps_done = 0
+        self.steps_done, self.memory = 0, {}
+
+    def sample(self, n: int) -> str:
+        """`n` characters sampled after a newline, the same on every rank (TP ranks compute
+        together, each drawing from the same seeded generator)."""
+        start = torch.tensor([[self.tokenizer.index["\n"]]])
+        ids = self.model.generate(start, n, generator=torch.Generator().manual_seed(self.cfg.seed))
+        return self.tokenizer.decode(ids[0, 1:])
 
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, self.vocab_size), target.reshape(-1))
@@ -279,7 +280,7 @@ class Run:
             return torch.stack(losses).mean() if self.is_last else None
         total = torch.zeros(())
         for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
-            skip = i < k - 1 and isinstance(self.module, DistributedDataParallel)
+            skip = i < k - 1 and hasattr(self.module, "no_sync")
             with self.module.no_sync() if skip else contextlib.nullcontext():
                 loss = self.loss_fn(self.module(xb), yb)
                 (loss / k).backward()
@@ -311,6 +312,8 @@ class Run:
             self.scaler.update(skipped)
         if not skipped:
             self.optimizer.step()
+        if self.steps_done == 0:  # the steady state's bytes: gradients and Adam's moments exist
+            self.memory = memory(self)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         # Every rank gets the loss: the last stage's tp-rank-0 ranks hold it, one per dp rank.
@@ -320,9 +323,74 @@ class Run:
         self.dist.all_reduce(share)
         return share.item(), skipped
 
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank holds of parameters, gradients and optimizer state."""
-        return state_bytes(self.stage, self.optimizer)
+
+def wrap(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The course's components over the data-parallel group: DDP (lesson 04), ZeRO-1 or
+    ZeRO-3 (lesson 08); around them the compute precision."""
+    cfg, dist, group = run.cfg, run.dist, run.layout.group("dp")
+    if cfg.zero == 3:  # a unit per block; the root holds the embedding and its tied head
+        for block in list(run.stage)[1:-1]:
+            fully_shard(block, dist=dist, group=group)
+        fully_shard(run.stage, dist=dist, group=group)
+    module: nn.Module = Precision(run.stage, cfg.precision)
+    if cfg.zero == 1:
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            run.stage.parameters(), torch.optim.AdamW, dist=dist, group=group, **adamw(cfg))
+    else:
+        optimizer = torch.optim.AdamW(run.stage.parameters(), **adamw(cfg))
+    if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
+        module = DistributedDataParallel(module, dist=dist, group=group)
+        if cfg.reduce_dtype == "bf16":
+            module.register_comm_hook(group, bf16_compress_hook)
+    return module, optimizer
+
+
+def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """PyTorch's own wrappers in the same places, for the side-by-side comparison: DDP,
+    ZeroRedundancyOptimizer, FSDP2's fully_shard (tp = pp = 1, on torch.distributed)."""
+    import torch.distributed as tdist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    cfg = run.cfg
+    if run.dist is not tdist:
+        raise ValueError("stack='torch' needs torch.distributed as the process group")
+    if cfg.zero == 3:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        for block in list(run.stage)[1:-1]:
+            torch_fully_shard(block)
+        torch_fully_shard(run.stage)
+    module: nn.Module = Precision(run.stage, cfg.precision)
+    if cfg.zero == 1:
+        optimizer: torch.optim.Optimizer = TorchZero(run.stage.parameters(), torch.optim.AdamW,
+                                                     **adamw(cfg))
+    else:
+        optimizer = torch.optim.AdamW(run.stage.parameters(), **adamw(cfg))
+    if cfg.zero in (0, 1) and cfg.dp > 1:
+        module = torch.nn.parallel.DistributedDataParallel(module)
+    return module, optimizer
+
+
+def memory(run: Run) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (for torch's FSDP2,
+    of the local shards of its DTensors)."""
+    if run.cfg.stack == "course":
+        return state_bytes(run.stage, run.optimizer)
+
+    def local(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(run.stage.parameters())
+    inner = getattr(run.optimizer, "optim", run.optimizer)  # torch ZeRO's local optimizer
+    state = [local(v) for st in inner.state.values() for k, v in st.items()
+             if isinstance(v, torch.Tensor) and k != "step"]
+    return {"parameters": storage_bytes(local(p) for p in params),
+            "gradients": storage_bytes(local(p.grad) for p in params),
+            "optimizer state": storage_bytes(state)}
+
+
+def adamw(cfg: TrainConfig) -> dict[str, Any]:
+    return {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
 
 def train(cfg: TrainConfig, dist: Any = None, *,
@@ -335,7 +403,7 @@ def train(cfg: TrainConfig, dist: Any = None, *,
     if cfg.progress and rank == 0:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, desc=f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}")
-    losses, skipped, times, memory = [], [], [], {}
+    losses, skipped, times = [], [], []
     for step in range(cfg.steps):
         x, y = next(run.data)
         start = time.perf_counter()
@@ -343,8 +411,6 @@ def train(cfg: TrainConfig, dist: Any = None, *,
         times.append(time.perf_counter() - start)
         losses.append(loss)
         skipped.append(skip)
-        if step == 0:
-            memory = run.memory()
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / times[-1]:,.0f}")
             bar.update()
@@ -353,7 +419,8 @@ def train(cfg: TrainConfig, dist: Any = None, *,
     steady = times[1:] or times
     return {"rank": rank, "coords": run.layout.coords, "losses": losses, "skipped": skipped,
             "step_s": sum(steady) / len(steady), "tokens_per_s": tokens * len(steady) / sum(steady),
-            "memory": memory, "scale": run.scaler.scale if run.scaler else None,
+            "memory": run.memory, "scale": run.scaler.scale if run.scaler else None,
+            "sample": run.sample(cfg.sample) if cfg.sample else None,
             "config": dataclasses.asdict(cfg)}
 
 

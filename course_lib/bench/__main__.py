@@ -1,4 +1,4 @@
-"""Command line: `python -m course_lib.bench {allreduce,ddp,tp,pipeline,zero,checkpoint} ... --json FILE`."""
+"""Command line: `python -m course_lib.bench {allreduce,ddp,tp,pipeline,zero,checkpoint,train} ... --json FILE`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 from course_lib.bench.common import format_table, write_json
 
-BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint")
+BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train")
 
 
 def main(argv: list[str] | None = None) -> int:
