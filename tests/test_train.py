@@ -26,7 +26,7 @@ FP32_RTOL = 1e-5
 BF16_RTOL = 2e-3  # bf16 keeps 8 bits of mantissa: partial sums rounded in another order
 LAYOUTS = {
     "(4,1,1) DDP": dict(dp=4),
-    "(2,2,1)": dict(dp=2, tp=2),
+    "(2,2,1)": dict(dp=2, tp=2, sample=40),
     "(2,1,2)": dict(dp=2, pp=2),
     "(1,2,2) checkpointed": dict(tp=2, pp=2, checkpoint_activations=True),
     "(2,2,1) ZeRO-1": dict(dp=2, tp=2, zero=1),
@@ -168,3 +168,24 @@ def test_torchrun_runs_the_same_training(tmp_path, reference):
     result = torchrun(cfg, nproc_per_node=4, json_file=tmp_path / "run.json", timeout=240)
     assert result["config"]["tp"] == 2 and result["rank"] == 0
     assert rel(result["losses"], reference["fp32"][:3]) < FP32_RTOL
+
+
+def torch_and_ours(rank: int, world: int, cfgs: dict) -> dict:
+    import torch.distributed as tdist
+    return {name: train(cfg, dist=tdist)["losses"] for name, cfg in cfgs.items()}
+
+
+def test_torch_stack_computes_the_same_losses(reference):
+    """PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 in our wrappers' places, and ours, all
+    on torch.distributed (gloo): the same losses as one process."""
+    cfgs = {f"{stack} zero{z}": dataclasses.replace(TINY, dp=4, zero=z, stack=stack, steps=6)
+            for stack in ("course", "torch") for z in (0, 1, 3)}
+    per_rank = spawn(torch_and_ours, 4, cfgs, backend="gloo", timeout=300)
+    for name in cfgs:
+        assert rel(per_rank[0][name], reference["fp32"][:6]) < FP32_RTOL, name
+        assert all(r[name] == per_rank[0][name] for r in per_rank), name
+
+
+def test_sampling_is_the_same_on_tensor_parallel_ranks(results):
+    samples = [r["(2,2,1)"]["sample"] for r in results]
+    assert len(samples[0]) == 40 and samples == samples[:1] * 4

@@ -166,8 +166,10 @@ def results_for(backend: str, world: int, part: str) -> list:
     return [res[part] for res in _RUNS[backend, world]]
 
 
-@pytest.mark.parametrize("backend", ["scratch", "gloo"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+# gloo on 2 and 4 ranks (the spawns the torch comparison and the sub-group test make anyway);
+# the odd world size on our transport, where uneven shards and padding are ours to get right.
+@pytest.mark.parametrize("backend,world", [("scratch", 2), ("scratch", 3), ("scratch", 4),
+                                           ("gloo", 2), ("gloo", 4)])
 def test_every_stage_equals_one_process(backend, world):
     results = results_for(backend, world, "stages")
     for opt_name in OPTIMIZERS:
