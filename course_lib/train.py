@@ -36,6 +36,7 @@ from course_lib.gpt import (GPT, CharTokenizer, GPTConfig, load_text, paralleliz
 from course_lib.layout import ParallelLayout, check_degrees
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.processes import run_session
+from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
 from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes, storage_bytes
 
 
@@ -64,6 +65,8 @@ class TrainConfig:
     n_embd: int = 128
     init_scale: float = 2.0 ** 16  # fp16's loss scaler
     growth_interval: int = 200
+    checkpoint_dir: str = ""      # lesson 09's checkpoints: resume from the newest whole one
+    checkpoint_every: int = 0     # save every that many steps (0: never)
     sample: int = 0               # characters to sample from the trained model (pp = 1)
     stack: str = "course"         # "torch": torch's DDP, ZeroRedundancyOptimizer or FSDP2 instead
     progress: bool = False
@@ -102,6 +105,10 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.stack == "torch" and (cfg.tp > 1 or cfg.pp > 1 or cfg.reduce_dtype != "fp32"):
         problems.append(f"stack='torch' runs torch's data-parallel wrappers: it needs tp=1 and "
                         f"pp=1 (got tp={cfg.tp}, pp={cfg.pp}) and fp32 reduction")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        problems.append(f"checkpoint_every={cfg.checkpoint_every} needs a checkpoint_dir")
+    if cfg.checkpoint_dir and cfg.stack == "torch":
+        problems.append("checkpoint_dir: checkpoints of torch's wrappers are DCP's job here")
     if cfg.sample and cfg.pp > 1:
         problems.append(f"sample={cfg.sample} needs the whole model on a rank (pp=1)")
     if problems:
@@ -261,6 +268,34 @@ class Run:
         self.vocab_size = self.tokenizer.vocab_size
         self.steps_done, self.memory = 0, {}
 
+    def state(self, init: bool = False) -> dict[str, Any]:
+        """What a checkpoint holds of this rank (lesson 09): its part of the model and the
+        optimizer, keyed by its stage and tp rank (dp replicas write theirs once), the step and
+        the loss scale. Views: loading into it restores the run in place."""
+        model, optim = get_state_dict(self.stage, self.optimizer, init_state=init)
+        where = f"pp{self.layout.coords['pp']}.tp{self.layout.coords['tp']}"
+        scaler = [self.scaler.scale, self.scaler.growth_tracker] if self.scaler else None
+        return {"model": {where: model}, "optim": {where: optim}, "step": self.steps_done,
+                "scaler": scaler}
+
+    def resume(self, manager: CheckpointManager) -> int:
+        """Load the newest whole checkpoint, if any, and skip the batches it had trained on;
+        the step to go on from."""
+        if not checkpoints(manager.root):
+            return 0  # a fresh start (before any optimizer state is made up to load into)
+        state = self.state(init=True)
+        if manager.load_latest(state) is None:
+            raise RuntimeError(f"{manager.root}: no checkpoint there passed its checks: "
+                               + "; ".join(manager.skipped))
+        where = next(iter(state["model"]))
+        set_state_dict(self.stage, self.optimizer, state["model"][where], state["optim"][where])
+        if self.scaler:
+            self.scaler.scale, self.scaler.growth_tracker = state["scaler"]
+        self.steps_done = state["step"]
+        for _ in range(self.steps_done):  # the sampler's order is a function of seed and epoch
+            next(self.data)
+        return self.steps_done
+
     def sample(self, n: int) -> str:
         """`n` characters sampled after a newline, the same on every rank (TP ranks compute
         together, each drawing from the same seeded generator)."""
@@ -412,31 +447,37 @@ def adamw(cfg: TrainConfig) -> dict[str, Any]:
 # %% solutions/11_capstone.ipynb, cell 30
 def train(cfg: TrainConfig, dist: Any = None, *,
           after_backward: Callable[[Run], None] | None = None) -> dict[str, Any]:
-    """Train for `cfg.steps` steps on this rank; every rank returns the same losses."""
+    """Train up to step `cfg.steps` on this rank (from the newest checkpoint in
+    `cfg.checkpoint_dir`, if any); every rank returns the same losses."""
     run = Run(cfg, dist)
     rank = run.dist.get_rank()
+    manager = CheckpointManager(cfg.checkpoint_dir, dist=run.dist) if cfg.checkpoint_dir else None
+    first = run.resume(manager) if manager else 0
     tokens = cfg.batch_size * cfg.block_size
     bar = None
     if cfg.progress and rank == 0:
         from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, desc=f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}")
+        bar = tqdm(total=cfg.steps, initial=first, desc=f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}")
     losses, skipped, times = [], [], []
-    for step in range(cfg.steps):
+    for step in range(first, cfg.steps):
         x, y = next(run.data)
         start = time.perf_counter()
         loss, skip = run.step(x, y, after_backward)
         times.append(time.perf_counter() - start)
         losses.append(loss)
         skipped.append(skip)
+        if manager and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            manager.save(run.state(), step + 1)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / times[-1]:,.0f}")
             bar.update()
     if bar is not None:
         bar.close()
-    steady = times[1:] or times
-    return {"rank": rank, "coords": run.layout.coords, "losses": losses, "skipped": skipped,
-            "step_s": sum(steady) / len(steady), "tokens_per_s": tokens * len(steady) / sum(steady),
-            "memory": run.memory, "scale": run.scaler.scale if run.scaler else None,
+    steady = times[1:] or times or [float("nan")]  # the first step also warms up
+    return {"rank": rank, "coords": run.layout.coords, "first_step": first, "losses": losses,
+            "skipped": skipped, "step_s": sum(steady) / len(steady),
+            "tokens_per_s": tokens * len(steady) / sum(steady), "memory": run.memory,
+            "scale": run.scaler.scale if run.scaler else None,
             "sample": run.sample(cfg.sample) if cfg.sample else None,
             "config": dataclasses.asdict(cfg)}
 

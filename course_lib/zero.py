@@ -486,13 +486,15 @@ class FSDPUnit:
             for name, p in sub._parameters.items():
                 if p is None or getattr(p, "_zero_shard", False):
                     continue
-                if id(p) in owned:
+                if id(p) in owned or getattr(p, "_zero_managed", False):
                     raise ValueError(f"fully_shard: parameter {name!r} of {type(sub).__name__} is "
-                                     "also used inside an inner fully_shard unit; shard the "
+                                     "also used inside another fully_shard unit; shard the "
                                      "modules that share it together (wrap their common parent)")
                 entries.setdefault(id(p), []).append((sub, name))
                 params[id(p)] = p
         self.managed = list(params.values())
+        for p in self.managed:  # a second unit must not shard a tied weight again, apart
+            p._zero_managed = True
         check_same_tensors(self.managed, "fully_shard", dist=self.dist, group=group)
         broadcast_coalesced([p.detach() for p in self.managed], global_rank(self.dist, group, 0),
                             dist=self.dist, group=group)

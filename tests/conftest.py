@@ -26,6 +26,26 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
 
 
+# Files that take a minute or more, run first: xdist hands whole files (--dist loadfile) to
+# whichever worker is free, in collection order, so a long file collected last leaves the
+# other worker idle at the end. Notebooks first, the later (longer) lessons before the earlier.
+LONG_FILES = ("test_grading_batch.py", "test_train.py", "test_resume.py", "test_recovery.py",
+              "test_lesson00_exercises.py", "test_zero.py", "test_cluster.py")
+
+
+def _longest_first(item: pytest.Item) -> tuple[int, int]:
+    name = item.path.name
+    if item.path.suffix == ".ipynb":
+        return 0, -int(name[:2]) if name[:2].isdigit() else 0
+    if name in LONG_FILES:
+        return 1, LONG_FILES.index(name)
+    return 2, 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_longest_first)  # stable: each file's items keep their order
+
+
 def leftover_processes() -> list[psutil.Process]:
     """Processes other than this one that carry this session's (or worker's) marker.
 

@@ -51,9 +51,17 @@ def run_layouts(rank: int, world: int, cfgs: dict) -> dict:
             for name, cfg in cfgs.items()}
 
 
+RESUMED = ("(2,2,1) ZeRO-1", "(2,1,2)")  # sharded optimizer state; a tied weight on two stages
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     cfgs = {name: dataclasses.replace(TINY, **kw) for name, kw in LAYOUTS.items()}
+    for name in RESUMED:  # stopped after 10 steps (checkpoints at 5 and 10), then resumed
+        folder = str(tmp_path_factory.mktemp("checkpoints"))
+        cfgs[name + " stopped"] = dataclasses.replace(
+            cfgs[name], steps=10, checkpoint_dir=folder, checkpoint_every=5)
+        cfgs[name + " resumed"] = dataclasses.replace(cfgs[name], checkpoint_dir=folder)
     return spawn(run_layouts, 4, cfgs, backend="scratch", timeout=600)
 
 
@@ -73,6 +81,15 @@ def test_fp32_layout_matches_one_process(results, reference, name):
     assert all(r[name]["losses"] == losses for r in results), "ranks disagree on the loss"
     assert rel(losses, reference["fp32"]) < FP32_RTOL
     assert losses[-1] < losses[0] - 0.05, "the loss did not fall"
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_run_resumed_from_its_checkpoint_ends_where_an_uninterrupted_one_does(results, name):
+    """Lesson 09's checkpoints: model, optimizer (ZeRO's shards too), step and data position."""
+    stopped, resumed = results[0][name + " stopped"], results[0][name + " resumed"]
+    assert stopped["losses"] == results[0][name]["losses"][:10]
+    assert resumed["first_step"] == 10
+    assert resumed["losses"] == results[0][name]["losses"][10:]  # bit for bit
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" in n])
@@ -178,12 +195,12 @@ def torch_and_ours(rank: int, world: int, cfgs: dict) -> dict:
 def test_torch_stack_computes_the_same_losses(reference):
     """PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 in our wrappers' places, and ours, all
     on torch.distributed (gloo): the same losses as one process."""
-    cfgs = {f"torch zero{z}": dataclasses.replace(TINY, dp=4, zero=z, stack="torch", steps=6)
+    cfgs = {f"torch zero{z}": dataclasses.replace(TINY, dp=4, zero=z, stack="torch", steps=4)
             for z in (0, 1, 3)}
-    cfgs["ours on torch.distributed"] = dataclasses.replace(TINY, dp=4, steps=6)
+    cfgs["ours on torch.distributed"] = dataclasses.replace(TINY, dp=4, steps=4)
     per_rank = spawn(torch_and_ours, 4, cfgs, backend="gloo", timeout=300)
     for name in cfgs:
-        assert rel(per_rank[0][name], reference["fp32"][:6]) < FP32_RTOL, name
+        assert rel(per_rank[0][name], reference["fp32"][:4]) < FP32_RTOL, name
         assert all(r[name] == per_rank[0][name] for r in per_rank), name
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from course_lib import zero
 from course_lib.spawn import spawn
 
 STEPS, B, IN = 10, 3, 15
@@ -441,3 +442,20 @@ def test_every_stage_on_a_sub_group(backend):
             for name, want in ref.items():
                 torch.testing.assert_close(torch.as_tensor(got[name]), want, **TOL,
                                            msg=lambda m: f"ZeRO-{stage} rank {rank} {name}: {m}")
+
+
+def test_a_weight_tied_across_sibling_units_is_an_error():
+    """Two sibling units would each shard their own copy of a tied weight and untie it
+    silently; the second unit says so instead (shard their common parent)."""
+    from course_lib import dist as scratch
+
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    scratch.init_process_group(rank=0, world_size=1)
+    try:
+        zero.fully_shard(emb, dist=scratch)
+        with pytest.raises(ValueError, match="also used inside another fully_shard unit"):
+            zero.fully_shard(head, dist=scratch)
+    finally:
+        scratch.destroy_process_group()

@@ -75,3 +75,22 @@ def finish(fig: Any, path: str | None) -> Any:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+def speed_and_state(rows: list[dict], speed: str, speed_label: str, state_label: str,
+                    title: str, path: str | None) -> Any:
+    """Two bar charts per variant side by side: `speed` (one number per row), and the measured
+    state per rank (`state_mib`) with the formula's (`formula_mib`) as dots."""
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
+    a.barh(names, [r[speed] for r in rows], color="tab:blue")
+    a.set_xlabel(speed_label)
+    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label="measured")
+    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3, label="formula")
+    b.set_xlabel(state_label)
+    b.legend(loc="lower right")
+    a.invert_yaxis()
+    fig.suptitle(title)
+    return finish(fig, path)

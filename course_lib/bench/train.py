@@ -14,7 +14,7 @@ import argparse
 import time
 from typing import Any
 
-from course_lib.bench.common import choose, finish, median, slowest_rank
+from course_lib.bench.common import choose, median, slowest_rank, speed_and_state
 
 VARIANTS = {  # name: (dp, tp, pp, zero, stack)
     "dp4": (4, 1, 1, 0, "course"),
@@ -131,19 +131,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def plot(rows: list[dict], path: str | None = None) -> Any:
     """Tokens per second and state bytes per rank (measured, and the formula), per variant."""
-    import matplotlib.pyplot as plt
-
-    names = [r["variant"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
-    a.barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
-    a.set_xlabel("tokens per second (slowest rank, median step)")
-    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label="measured")
-    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3, label="formula")
-    b.set_xlabel("parameters + gradients + AdamW state, fullest rank (MiB)")
-    b.legend(loc="lower right")
-    a.invert_yaxis()
-    fig.suptitle("The capstone GPT on 4 ranks (gloo): layouts and torch's stack")
-    return finish(fig, path)
+    return speed_and_state(rows, "tokens_per_s", "tokens per second (slowest rank, median step)",
+                           "parameters + gradients + AdamW state, fullest rank (MiB)",
+                           "The capstone GPT on 4 ranks (gloo): layouts and torch's stack", path)
 
 
 def quick_args(**overrides: Any) -> argparse.Namespace:

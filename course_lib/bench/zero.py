@@ -17,7 +17,7 @@ import resource
 import time
 from typing import Any
 
-from course_lib.bench.common import choose, finish, median, slowest_rank
+from course_lib.bench.common import choose, median, slowest_rank, speed_and_state
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "torch_ddp", "torch_zero", "torch_fsdp2")
 COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero",
@@ -215,17 +215,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def plot(rows: list[dict], path: str | None = None) -> Any:
     """Step time and state bytes per rank, side by side, per variant."""
-    import matplotlib.pyplot as plt
-
-    names = [r["variant"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
-    a.barh(names, [r["step_ms"] for r in rows], color="tab:blue")
-    a.set_xlabel("step time, slowest rank, median (ms)")
-    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label="measured")
-    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3, label="formula")
-    b.set_xlabel("parameters + gradients + Adam state per rank (MiB)")
-    b.legend(loc="lower right")
-    a.invert_yaxis()
-    fig.suptitle(f"ZeRO stages, world {rows[0]['world']}, {rows[0]['params'] / 1e6:.1f}M "
-                 "parameters, fp32 Adam, gloo")
-    return finish(fig, path)
+    return speed_and_state(rows, "step_ms", "step time, slowest rank, median (ms)",
+                           "parameters + gradients + Adam state per rank (MiB)",
+                           f"ZeRO stages, world {rows[0]['world']}, "
+                           f"{rows[0]['params'] / 1e6:.1f}M parameters, fp32 Adam, gloo", path)
