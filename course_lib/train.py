@@ -37,7 +37,7 @@ from course_lib.layout import ParallelLayout, check_degrees
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.processes import run_session
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
-from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes, storage_bytes
+from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -116,8 +116,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 __all__ = ["PRECISIONS", "TrainConfig", "check_config", "precision_forward", "Precision",
     "update_scale", "DynamicLossScaler", "TextWindows", "batches", "stage_layers", "tied_groups",
-    "Run", "wrap", "wrap_torch", "memory", "adamw", "train", "reference_losses", "spawn_rank",
-    "flags", "torchrun", "parse_args", "main"]
+    "Run", "wrap", "wrap_torch", "adamw", "train", "train_one_process", "reference_losses",
+    "spawn_rank", "flags", "torchrun", "parse_args", "main"]
 
 
 # %% solutions/11_capstone.ipynb, cell 18
@@ -266,6 +266,10 @@ class Run:
         self.scaler = (DynamicLossScaler(cfg.init_scale, cfg.growth_interval)
                        if cfg.precision == "fp16" else None)
         self.vocab_size = self.tokenizer.vocab_size
+        if cfg.pp > 1:  # built once: a schedule resets its own state at every step
+            stage = PipelineStage(self.module, c["pp"], cfg.pp, dist=self.dist,
+                                  group=self.layout.group("pp"))
+            self.schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=self.loss_fn)
         self.steps_done, self.memory = 0, {}
 
     def state(self, init: bool = False) -> dict[str, Any]:
@@ -317,16 +321,13 @@ class Run:
         """Gradients of this step's batch in .grad; the local mean loss (last stage only)."""
         k = self.cfg.micro_batches
         if self.cfg.pp > 1:
-            stage = PipelineStage(self.module, self.layout.coords["pp"], self.cfg.pp,
-                                  dist=self.dist, group=self.layout.group("pp"))
-            schedule = Schedule1F1B(stage, k, loss_fn=self.loss_fn)
             losses: list[torch.Tensor] = []
             if self.is_first:
-                schedule.step(x)
+                self.schedule.step(x)
             elif self.is_last:
-                schedule.step(target=y, losses=losses)
+                self.schedule.step(target=y, losses=losses)
             else:
-                schedule.step()
+                self.schedule.step()
             return torch.stack(losses).mean() if self.is_last else None
         total = torch.zeros(())
         for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
@@ -363,7 +364,7 @@ class Run:
         if not skipped:
             self.optimizer.step()
         if self.steps_done == 0:  # the steady state's bytes: gradients and Adam's moments exist
-            self.memory = memory(self)
+            self.memory = state_bytes(self.stage, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         # Every rank gets the loss: the last stage's tp-rank-0 ranks hold it, one per dp rank.
@@ -422,24 +423,6 @@ def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
     return module, optimizer
 
 
-def memory(run: Run) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer state (for torch's FSDP2,
-    of the local shards of its DTensors)."""
-    if run.cfg.stack == "course":
-        return state_bytes(run.stage, run.optimizer)
-
-    def local(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = list(run.stage.parameters())
-    inner = getattr(run.optimizer, "optim", run.optimizer)  # torch ZeRO's local optimizer
-    state = [local(v) for st in inner.state.values() for k, v in st.items()
-             if isinstance(v, torch.Tensor) and k != "step"]
-    return {"parameters": storage_bytes(local(p) for p in params),
-            "gradients": storage_bytes(local(p.grad) for p in params),
-            "optimizer state": storage_bytes(state)}
-
-
 def adamw(cfg: TrainConfig) -> dict[str, Any]:
     return {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
@@ -482,18 +465,22 @@ def train(cfg: TrainConfig, dist: Any = None, *,
             "config": dataclasses.asdict(cfg)}
 
 
-def reference_losses(cfg: TrainConfig) -> list[float]:
-    """What one process computes: the same model, the same global batches, no parallelism
-    (in a process group of one, set up and torn down here)."""
+def train_one_process(cfg: TrainConfig, **kwargs: Any) -> dict[str, Any]:
+    """`train(cfg, **kwargs)` in this process alone (a process group of one, set up and torn
+    down here)."""
     from course_lib import dist as scratch
 
-    one = dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, micro_batches=1,
-                              reduce_dtype="fp32", progress=False)
     scratch.init_process_group(rank=0, world_size=1)
     try:
-        return train(one, dist=scratch)["losses"]
+        return train(cfg, dist=scratch, **kwargs)
     finally:
         scratch.destroy_process_group()
+
+
+def reference_losses(cfg: TrainConfig) -> list[float]:
+    """What one process computes: the same model, the same global batches, no parallelism."""
+    return train_one_process(dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, micro_batches=1,
+                                                 reduce_dtype="fp32", progress=False))["losses"]
 
 
 def spawn_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:

@@ -33,10 +33,12 @@ def _units(module: nn.Module) -> list[Any]:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a
+    DTensor, as torch's FSDP2 holds, by its local shard)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
+            t = t.to_local() if hasattr(t, "to_local") else t
             s = t.untyped_storage()
             if s.nbytes():
                 seen[s.data_ptr()] = s.nbytes()

@@ -18,7 +18,7 @@ from course_lib.gpt import GPT, GPTConfig, set_activation_checkpointing
 from course_lib.accumulation import saved_activation_bytes
 from course_lib.spawn import spawn
 from course_lib.train import (DynamicLossScaler, TrainConfig, check_config, reference_losses,
-                              torchrun, train, update_scale)
+                              torchrun, train, train_one_process, update_scale)
 
 TINY = TrainConfig(steps=20, batch_size=8, micro_batches=2, block_size=16, n_layer=2, n_head=2,
                    n_embd=32)
@@ -119,13 +119,8 @@ def test_fp16_overflow_skips_the_step_everywhere_and_shrinks_the_scale(results, 
 
 def test_fp16_reference_with_the_same_skip(results):
     """One process with the same injected overflow: the same losses as the 4-rank pipeline."""
-    from course_lib import dist as scratch
     cfg = dataclasses.replace(TINY, precision="fp16", micro_batches=1)
-    scratch.init_process_group(rank=0, world_size=1)
-    try:
-        one = train(cfg, dist=scratch, after_backward=inject_inf)
-    finally:
-        scratch.destroy_process_group()
+    one = train_one_process(cfg, after_backward=inject_inf)
     name = "(2,1,2) fp16, overflow at step 3"
     assert one["skipped"] == results[0][name]["skipped"]
     assert rel(results[0][name]["losses"], one["losses"]) < BF16_RTOL
