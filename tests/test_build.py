@@ -66,7 +66,11 @@ def test_student_release(repo: Path):
     # The cell holding only `#| default_exp` is left out; every other cell keeps its id.
     kept = [c for i, c in enumerate(solution.cells) if i != 1]
     assert [c.id for c in student.cells] == [c.id for c in kept]
-    assert [c.metadata for c in student.cells] == [c.metadata for c in kept]
+    # Export cells name their module, so the learner's completed cells export the same way.
+    exports = {1: "fixture_mod", 5: "fixture_mod"}  # solution cells 2 and 6
+    assert [c.metadata for c in student.cells] == [
+        dict(c.metadata, **({"course_lib": {"export": exports[i]}} if i in exports else {}))
+        for i, c in enumerate(kept)]
     src = [c.source for c in student.cells]
     assert src[1].startswith("import math")  # the `#| export` line is gone
     assert src[1].endswith('"""Area of a circle."""\n    # YOUR CODE HERE\n'
@@ -79,7 +83,7 @@ def test_student_release(repo: Path):
     for cell in student.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
-    assert student.metadata["course_lib"] == {"lesson": "90_fixture"}
+    assert student.metadata["course_lib"] == {"lesson": "90_fixture", "release": "student"}
     assert "### BEGIN" not in (repo / "notebooks" / "90_fixture.ipynb").read_text()
     assert "#|" not in (repo / "notebooks" / "90_fixture.ipynb").read_text()
 
@@ -163,6 +167,7 @@ def test_orphans_are_reported_and_removed(repo: Path):
     hand_written.write_text("X = 1\n")
     (repo / "solutions" / "90_fixture.ipynb").unlink()
     assert build.stale(repo) == [
+        "orphan (its notebook is gone): course_lib/components.py",
         "orphan (its notebook is gone): course_lib/fixture_mod.py",
         "orphan (its notebook is gone): notebooks/90_fixture.ipynb"]
     build.build(repo)
