@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
                 "the tests that start no engines, kernels or servers, and no notebooks)",
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",
         "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
+        "export": "write a lesson you completed into your own course_lib: export 04 (--status)",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)
@@ -88,6 +89,10 @@ def main(argv: list[str]) -> int:
         return code
     if command == "build":
         return run(PY, "-m", "course_lib.build", *rest)
+    if command == "export":
+        # not `-m course_lib.overlay`: the package imports that module before it could run
+        return run(PY, "-c", "import sys; from course_lib.overlay import main; "
+                   "sys.exit(main(sys.argv[1:]))", *rest)
     return run(PY, "-m", "course_lib.bench", *rest, env=env)
 
 

@@ -7,3 +7,8 @@ Engine side: `course_lib.dist` is the from-scratch process group; the training c
 """
 
 __version__ = "0.1.0"
+
+# Each component resolves to the learner's version (their overlay) or the reference.
+from course_lib.overlay import install as _install_overlay, use  # noqa: E402
+
+_install_overlay()

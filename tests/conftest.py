@@ -8,6 +8,8 @@ run, and end it by PID.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 
 import psutil
@@ -24,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # do not see the other worker's live clusters; the controller's check sees them all.
         os.environ[MARKER] = f"{os.environ[MARKER]}-{worker}"
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+    # The learner's overlay (course_lib.overlay) of this process and its children: empty, and
+    # never the developer's own ~/.course_lib.
+    if not os.environ.get("COURSE_LIB_HOME", "").startswith(tempfile.gettempdir()):
+        os.environ["COURSE_LIB_HOME"] = tempfile.mkdtemp(prefix="course_lib_home-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ["COURSE_LIB_HOME"], True))
 
 
 # Files that take a minute or more, run first: xdist hands whole files (--dist loadfile) to

@@ -104,14 +104,16 @@ def _dead_ranks(futures: list, infos: list[dict]) -> dict[int, str]:
     return dead
 
 
-def start(n: int = 4, *, backend: str = backends.DEFAULT_BACKEND, engines: str = "local",
+def start(n: int = 4, *, backend: str | None = None, engines: str = "local",
           timeout: float = 60.0, run_timeout: float = 300.0, **ipp_kwargs: Any) -> "Cluster":
     """Start `n` engines with ranks 0..n-1 and the `backend` process group on each.
 
     `timeout` bounds start-up and the process group's blocking operations; `run_timeout` is
     the default limit of `Cluster.run`. `engines` picks the ipyparallel launcher ("local",
-    "mpi", "ssh", "slurm", ...); extra keyword arguments go to `ipyparallel.Cluster`.
+    "mpi", "ssh", "slurm", ...); extra keyword arguments go to `ipyparallel.Cluster`. The
+    default backend is "scratch" (`course_lib.backend.default_backend`).
     """
+    backend = backends.default_backend() if backend is None else backend
     cluster = Cluster(n, backend=backend, engines=engines, timeout=timeout,
                       run_timeout=run_timeout, **ipp_kwargs)
     cluster._start()

@@ -36,7 +36,10 @@ def learner_frame(exc: BaseException) -> str:
         return ""
     f = (mine or frames)[-1]
     code = f": {f.line.strip()}" if f.line else ""
-    return f"in {f.name}, line {f.lineno}{code}"
+    from course_lib.overlay import describe_file
+
+    owner = describe_file(f.filename)
+    return f"in {f.name}, line {f.lineno}{code}" + (f" ({owner})" if owner else "")
 
 
 def guarded_call(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict) -> dict:
@@ -117,13 +120,26 @@ def _outcome_row(rank: Any, out: dict, expected: Any, ex: Exercise, limit: float
     return Row(rank, False, want, out["error"], f"raised {out['error']}{where}", status)
 
 
+class ReferenceMissing(Exception):
+    """The expected values need a packaged module that this release ships without answers."""
+
+
 def _expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None = None) -> Any:
+    """The expected value, from the packaged reference only (never the learner's overlay)."""
+    from course_lib.overlay import packaged_only
+
     if c.has_expected:
         return c.expected
     args, kwargs = copy.deepcopy((c.args, c.kwargs))
     if rank is not None:
         args, kwargs = substitute(args, rank, world), substitute(kwargs, rank, world)
-    return ex.reference(*args, **kwargs)
+    with packaged_only():
+        try:
+            return ex.reference(*args, **kwargs)
+        except NotImplementedError as exc:
+            raise ReferenceMissing(f"{ex.name}'s expected values need the reference "
+                                   f"{learner_frame(exc) or 'code'}, which this student release "
+                                   "does not ship; check it in the instructor's repository") from None
 
 
 def _run_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> tuple[list[Row], str]:
@@ -216,8 +232,11 @@ def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
         if stopped:
             cases.append(CaseResult(label, [Row(None, False, "", "", "not run", Outcome.NOT_RUN)]))
             continue
-        rows, halt = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
-                      else _run_local(ex, c, fn, limit))
+        try:
+            rows, halt = (_run_cluster(ex, c, fn, cluster, limit) if ex.distributed
+                          else _run_local(ex, c, fn, limit))
+        except ReferenceMissing as exc:
+            return zero(str(exc), cases)
         cases.append(CaseResult(label, rows))
         outcomes = {r.outcome for r in rows}
         if Outcome.NOT_IMPLEMENTED in outcomes:
@@ -234,19 +253,78 @@ def grade_function(exercise: str | Exercise, fn: Any, cluster: Any = None, *,
     return Result(ex.name, points, float(ex.points), reason, cases, ex.hint)
 
 
+def _export_before_check(ex: Exercise, fn: Any, notebook: Path, cluster: Any) -> list[str]:
+    """Write the learner's lesson into their overlay, so the check (on every rank) and later
+    lessons run it; lines to show when that could not be done faithfully."""
+    from course_lib import overlay
+
+    try:
+        written = overlay.export(ex.notebook, notebook)
+    except (overlay.BuildError, SyntaxError) as exc:
+        return [f"Your lesson could not be exported into your course_lib: {exc}"]
+    overlay.refresh([cluster] if cluster is not None else [])
+    try:
+        mine = inspect.getsource(fn).strip()
+    except (OSError, TypeError):
+        return []
+    if not any(mine in p.read_text(encoding="utf-8") for p in written) and any(
+            f"def {ex.function}(" in p.read_text(encoding="utf-8") for p in written):
+        return [f"{notebook.name} as saved differs from the {ex.function} you ran: save the "
+                "notebook (Ctrl+S) and check again, so that your course_lib gets this version"]
+    return []
+
+
+def _blame_earlier_lessons(ex: Exercise, fn: Any, cluster: Any, limit: float | None,
+                           result: Result) -> Result:
+    """A check that fails while it runs the learner's components from earlier lessons: rerun it
+    with each of them replaced by the reference (latest lesson first) and name the one whose
+    replacement makes it pass."""
+    from dataclasses import replace
+
+    from course_lib import overlay
+
+    clusters = [cluster] if cluster is not None else []
+    earlier = [m for m in sorted(overlay.COMPONENTS, key=overlay.COMPONENTS.get, reverse=True)
+               if overlay.COMPONENTS[m] < ex.notebook and overlay.resolve(m).mine
+               and overlay.reference_shipped(m)]
+    for module in earlier:
+        with overlay.using({module: "reference"}, clusters):
+            again = grade_function(ex, fn, cluster, time_limit=limit)
+        if again.passed:
+            lesson = overlay.lesson_of(module).split("_")[0]
+            return replace(result, reason=(
+                f"{result.reason}. It passes with the reference course_lib.{module} in place "
+                f"of yours: the cause is your lesson {lesson} (fix it there, or "
+                f"course_lib.use({module.rsplit('.', 1)[-1]}='reference'))"))
+    return result
+
+
 def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | None = None) -> None:
-    """A check cell: grade `fn` and show the per-case (per-rank) table under the cell."""
+    """A check cell: grade `fn` and show the per-case (per-rank) table under the cell. In a
+    student notebook the lesson is first exported into the learner's course_lib (the check
+    then runs it) and the outcome recorded, which decides whether later lessons use it."""
     if os.environ.get(GRADING_ENV):
         print(f"check({exercise!r}) skipped: the grader runs its own checks")
         return
-    result = grade_function(exercise, fn, cluster, time_limit=time_limit)
+    from course_lib import overlay
+
+    ex = get_exercise(exercise)
+    notebook = overlay.find_notebook(ex.notebook)
+    notes = _export_before_check(ex, fn, notebook, cluster) if notebook else []
+    result = grade_function(ex, fn, cluster, time_limit=time_limit)
+    if notebook:
+        overlay.record(ex.name, result.passed)
+        if not result.passed:
+            result = _blame_earlier_lessons(ex, fn, cluster, time_limit, result)
     try:
         from IPython import get_ipython
         from IPython.display import display
 
         if get_ipython() is not None:
             display(result)
+            for note in notes:
+                print(note)
             return
     except ImportError:
         pass
-    print(result)
+    print("\n".join([str(result), *notes]))
