@@ -21,6 +21,13 @@ BACKENDS = ("scratch", "gloo", "mpi", "none")
 DEFAULT_BACKEND = "scratch"
 
 
+def _wire_written() -> bool:
+    """Whether the scratch backend's wire format (lesson 01's) exists: shipped, or exported."""
+    from course_lib import overlay
+
+    return overlay.reference_shipped("dist.wire") or overlay.resolve("dist.wire").mine
+
+
 def default_backend() -> str:
     """"scratch", unless this is a student release whose wire format (lesson 01, which the
     scratch backend runs on) the learner has not finished: then "gloo", said in one line."""
@@ -29,7 +36,7 @@ def default_backend() -> str:
     if overlay.reference_shipped("dist.wire"):
         return DEFAULT_BACKEND
     failing, unchecked = overlay.not_passed(overlay.lesson_of("dist.wire"))
-    if overlay.resolve("dist.wire").mine and not (failing or unchecked):
+    if _wire_written() and not (failing or unchecked):
         return DEFAULT_BACKEND
     print("process group: gloo until your lesson 01 passes its checks (the scratch backend "
           "runs on your wire format)", flush=True)
@@ -41,6 +48,10 @@ def check_backend(backend: str, engines: str | None = None) -> None:
     ("mpi" for mpiexec; None for plain local processes, as `spawn` starts)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "scratch" and not _wire_written():
+        raise ValueError('backend="scratch" runs on your lesson 01 wire format, which this '
+                         "student release does not ship and you have not exported yet: "
+                         'complete lesson 01, or use backend="gloo"')
     if backend == "mpi" and engines != "mpi":
         use = 'engines="mpi"' if engines is not None else 'course_lib.cluster.start(engines="mpi")'
         raise ValueError(f'backend="mpi" needs processes started by mpiexec: use {use}')
