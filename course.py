@@ -59,6 +59,7 @@ def main(argv: list[str]) -> int:
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",
         "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
         "export": "write a lesson you completed into your own course_lib: export 04 (--status)",
+        "release": "write the student bundle, without solutions, into a new folder: release DIR",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)
@@ -66,6 +67,10 @@ def main(argv: list[str]) -> int:
             print(f"  python3 course.py {name:6} {what}")
         return 2
     command, rest = argv[0], argv[1:]
+    if command in ("test", "build", "release") and not (ROOT / "solutions").is_dir():
+        print(f"course.py {command}: this is the student release, which has no solutions/ or "
+              "tests: each notebook's checks grade your work (python3 course.py lab)")
+        return 2
     ensure_env()
     env = dict(os.environ, IPP_NONINTERACTIVE="1")
     if command == "lab":
@@ -93,6 +98,8 @@ def main(argv: list[str]) -> int:
         # not `-m course_lib.overlay`: the package imports that module before it could run
         return run(PY, "-c", "import sys; from course_lib.overlay import main; "
                    "sys.exit(main(sys.argv[1:]))", *rest)
+    if command == "release":
+        return run(PY, "-m", "course_lib.release", *rest)
     return run(PY, "-m", "course_lib.bench", *rest, env=env)
 
 

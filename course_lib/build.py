@@ -14,7 +14,7 @@ import hashlib
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # nbformat takes a second to import: only the build itself needs it
     import nbformat
@@ -182,12 +182,9 @@ def exported_cells(nb: nbformat.NotebookNode, name: str) -> dict[str, list[tuple
     return {target or default: found for target, found in cells.items()}
 
 
-def exported_modules(nb: nbformat.NotebookNode, name: str,
-                     body: Callable[[str, str], str] | None = None) -> dict[str, str]:
-    """{relative module path: file text} for a notebook's export cells. `body` turns a cell's
-    source into the module's code: the solution (the default), or the student's stubs."""
-    body = body or export_source
-    return dict(module_text(module, [(i, body(src, where).strip("\n"), where)
+def exported_modules(nb: nbformat.NotebookNode, name: str) -> dict[str, str]:
+    """{relative module path: file text} for a notebook's export cells."""
+    return dict(module_text(module, [(i, export_source(src, where).strip("\n"), where)
                                      for i, src, where in found], f"{SOLUTIONS}/{name}")
                 for module, found in exported_cells(nb, name).items())
 

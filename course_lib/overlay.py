@@ -106,6 +106,16 @@ def find_notebook(lesson: str) -> Path | None:
     return None
 
 
+def student_cells(nb, name: str) -> dict[str, list[tuple[int, str, str]]]:
+    """{module: [(index, source, where), ...]} of a student notebook's export cells."""
+    cells: dict[str, list[tuple[int, str, str]]] = {}
+    for i, cell in enumerate(nb.cells):
+        module = cell.metadata.get("course_lib", {}).get("export")
+        if cell.cell_type == "code" and module:
+            cells.setdefault(module, []).append((i, cell.source, f"{name}, cell {i}"))
+    return cells
+
+
 def export(lesson: str, notebook: str | os.PathLike | None = None) -> list[Path]:
     """Write a lesson's export cells, as the learner's notebook holds them, into the overlay.
 
@@ -119,12 +129,7 @@ def export(lesson: str, notebook: str | os.PathLike | None = None) -> list[Path]
 
     from course_lib.build import BuildError, module_text
 
-    nb = nbformat.read(path, as_version=4)
-    cells: dict[str, list[tuple[int, str, str]]] = {}
-    for i, cell in enumerate(nb.cells):
-        module = cell.metadata.get("course_lib", {}).get("export")
-        if cell.cell_type == "code" and module:
-            cells.setdefault(module, []).append((i, cell.source, f"{path.name}, cell {i}"))
+    cells = student_cells(nbformat.read(path, as_version=4), path.name)
     written = []
     for module in modules_of(lesson):
         if module not in cells:

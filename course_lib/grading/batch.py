@@ -26,6 +26,7 @@ from nbclient.util import run_sync
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
 from course_lib.grading.report import Result
+from course_lib.overlay import HOME_ENV, USE_ENV
 from course_lib.processes import ProcessSet
 
 FIELDS = ("student", "exercise", "points", "max_points", "reason", "notebook")
@@ -244,7 +245,9 @@ def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
     session = KernelSession(nb, sub.path.resolve().parent)
     try:
-        session.start(dict(os.environ, **{GRADING_ENV: "1"}), work)
+        # The package's reference components, never a learner's overlay on this machine
+        session.start(dict(os.environ, **{GRADING_ENV: "1", USE_ENV: "reference",
+                                          HOME_ENV: str(work / "home")}), work)
         note, fatal = _run_notebook(session, list(nb.cells), notebook_timeout)
         if fatal:
             return rows([(ex, 0.0, fatal) for ex in exercises])
