@@ -17,6 +17,8 @@ from pathlib import Path
 
 from course_lib import build
 from course_lib.components import COMPONENTS
+from course_lib.grading import learner, plain
+from course_lib.grading.catalogue import exercises_for, lessons
 from course_lib.overlay import STUDENT_HEADER, student_cells
 
 TOP_LEVEL = ("README.md", "pyproject.toml", "constraints.txt", "course.py", ".gitignore")
@@ -61,10 +63,17 @@ def write_release(root: Path, dest: Path) -> list[str]:
             files[rel] = path.read_bytes()
     files.update({name: (root / name).read_bytes() for name in TOP_LEVEL
                   if (root / name).is_file()})
-    for rel, data in files.items():
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dest / rel).write_bytes(data)
-    return sorted(files)
+    try:
+        for rel, data in files.items():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).write_bytes(data)
+        table = dest / build.PACKAGE / "grading" / learner.RELEASED_EXPECTED.name
+        table.write_text(plain.dumps({ex.name: learner.expected_values(ex)
+                                      for lesson in lessons() for ex in exercises_for(lesson)}))
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)  # it was new or empty: half a bundle is worse
+        raise
+    return sorted([*files, table.relative_to(dest).as_posix()])
 
 
 # -- the proof that no answer ships ---------------------------------------------------------

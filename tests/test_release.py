@@ -4,6 +4,8 @@ components (their sampler and DDP in lesson 05) with gloo standing in for lesson
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -16,16 +18,26 @@ import pytest
 
 from course_lib import build, release
 from course_lib.components import COMPONENTS
+from course_lib.grading import learner, plain
+from course_lib.grading.catalogue import exercises_for, lessons
+from course_lib.grading.compare import mismatch
 from learners import MARK_DDP, MARK_ENV, MARK_SAMPLER, ROOT, fill
 
 SCORE = re.compile(r"^(lesson\d\d\.\w+): (\d+) / (\d+) points", re.M)
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """A bundle made by the command, with what it printed and its exit status."""
     dest = tmp_path_factory.mktemp("release") / "course"
-    release.write_release(ROOT, dest)
-    return dest
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = release.main([str(dest)])
+    return dest, out.getvalue(), code
+
+
+@pytest.fixture(scope="module")
+def bundle(made: tuple[Path, str, int]) -> Path:
+    return made[0]
 
 
 def bundle_files(bundle: Path) -> set[str]:
@@ -63,15 +75,25 @@ def test_no_line_of_any_solution_region_ships_beyond_the_listed_gaps(bundle: Pat
 
 
 def test_the_release_command_refuses_a_used_folder_and_one_inside_the_repository(
-        tmp_path: Path, capsys: pytest.CaptureFixture):
-    assert release.main([str(tmp_path / "course")]) == 0
-    out = capsys.readouterr().out
+        made: tuple[Path, str, int], capsys: pytest.CaptureFixture):
+    bundle, out, code = made
+    assert code == 0
     assert f"{len(COMPONENTS)} components without their answers" in out
     assert out.count("known gap:") == len(release.KNOWN_GAPS)
-    assert release.main([str(tmp_path / "course")]) == 2
+    assert release.main([str(bundle)]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert release.main([str(ROOT / "build" / "course")]) == 2
     assert "inside the repository" in capsys.readouterr().err
+
+
+def test_the_bundle_holds_every_expected_value_as_the_instructors_reference_computes_it(
+        bundle: Path):
+    table = plain.loads((bundle / "course_lib" / "grading" / "expected.json").read_text())
+    every = [ex for lesson in lessons() for ex in exercises_for(lesson)]
+    assert sorted(table) == sorted(ex.name for ex in every)
+    for ex in every:
+        want = learner.expected_values(ex)
+        assert mismatch(table[ex.name], want, 0.0, 0.0) is None, ex.name
 
 
 def test_every_module_of_the_bundle_imports_and_its_course_py_says_what_it_is(bundle: Path,
@@ -139,12 +161,12 @@ def test_a_learner_runs_the_bundles_lesson00_and_then_lesson05_on_their_own_comp
     assert "course_lib.ddp: yours, from lesson 04" in out
     assert "course_lib.data: yours, from lesson 03" in out
     assert "max |w - w_one| < 1e-9: True" in out  # the learner's sampler and DDP = 1 process
+    # Every check passes, saved_activation_bytes's from the release's table of expected values
+    # (its reference is lesson 05's own answer, which the bundle does not ship).
     got = scores(out)
-    assert got["lesson05.no_sync"][0] == got["lesson05.no_sync"][1] > 0
-    assert got["lesson05.accumulation_step"][0] == got["lesson05.accumulation_step"][1] > 0
-    # This exercise's expected values need a reference the bundle does not ship: said so.
-    assert got["lesson05.saved_activation_bytes"][0] == 0
-    assert "which this student release does not ship" in out
+    assert set(got) == {"lesson05.no_sync", "lesson05.accumulation_step",
+                        "lesson05.saved_activation_bytes"}
+    assert all(g == of > 0 for g, of in got.values()), got
     ran = {f.name.split("-")[0] for f in marks.iterdir()}
     assert ran == {"ddp", "sampler"}
     assert len(list(marks.glob("ddp-*"))) >= 4  # on the engines of both clusters
