@@ -1,5 +1,8 @@
 """Build the course from `solutions/`: exported `course_lib` modules and the student release.
 
+It also keeps nbgrader's cell metadata in `solutions/` current (`grading.cells`), the one
+change it makes to the source.
+
 `python -m course_lib.build` regenerates both; `--check` changes nothing and exits 1 listing
 every generated file that is stale, missing, or left over from a notebook that is gone.
 Output is byte-stable (sorted JSON keys, fixed indentation), so the check is exact.
@@ -241,8 +244,11 @@ def expected_files(root: Path) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     owners: dict[str, str] = {}
     found: dict[str, str] = {}
+    from course_lib.grading.cells import with_nbgrader
+
     for src in sorted((root / SOLUTIONS).glob("*.ipynb")):
-        nb = _read(src)
+        nb = with_nbgrader(_read(src), src.name)  # the source carries nbgrader's cell marks
+        files[f"{SOLUTIONS}/{src.name}"] = _dump(nb)
         files[f"{NOTEBOOKS}/{src.name}"] = _dump(student_notebook(nb, src.name))
         for path, text in exported_modules(nb, src.name).items():
             if path in owners:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from course_lib import build
 from course_lib.components import COMPONENTS
-from course_lib.grading import learner, plain
+from course_lib.grading import judge, plain
 from course_lib.grading.catalogue import exercises_for, lessons
 from course_lib.overlay import STUDENT_HEADER, student_cells
 
@@ -67,8 +67,8 @@ def write_release(root: Path, dest: Path) -> list[str]:
         for rel, data in files.items():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             (dest / rel).write_bytes(data)
-        table = dest / build.PACKAGE / "grading" / learner.RELEASED_EXPECTED.name
-        table.write_text(plain.dumps({ex.name: learner.expected_values(ex)
+        table = dest / build.PACKAGE / "grading" / judge.RELEASED_EXPECTED.name
+        table.write_text(plain.dumps({ex.name: judge.expected_values(ex)
                                       for lesson in lessons() for ex in exercises_for(lesson)}))
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)  # it was new or empty: half a bundle is worse

@@ -31,10 +31,14 @@ MEAN_SPINS = "def mean(xs):\n    while True:\n        pass"
 WORDS_SLEEPS = "import time\n\ndef count_words(text):\n    time.sleep(60)\n    return 0"
 WORDS_SPLIT_SPACE = "def count_words(text):\n    return len(text.split(' '))"
 WORDS_OK = "def count_words(text):\n    return len(text.split())"
-SPAWN_AND_HANG = ("import os, subprocess, time\n"
-                  "child = subprocess.Popen(['sleep', '300'])\n"
-                  "open('pids.txt', 'w').write(f'{os.getpid()} {child.pid}')\n"
-                  "time.sleep(600)")
+
+
+def spawn_and_hang(pids: Path) -> str:
+    """Answer-cell code that starts a child, notes both PIDs in `pids`, and hangs."""
+    return ("import os, subprocess, time\n"
+            "child = subprocess.Popen(['sleep', '300'])\n"
+            f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+            "time.sleep(600)")
 
 
 def _make(path: Path, *, release: bool = False, edit: dict | None = None,
@@ -63,8 +67,9 @@ def graded(tmp_path_factory):
     _make(subs / "frank" / lesson, edit={DEF_MEAN: MEAN_SPINS, DEF_WORDS: WORDS_SLEEPS})
     (subs / "gina").mkdir()
     (subs / "gina" / lesson).write_text('{"cells": [')
-    _make(subs / "hank" / lesson, extra=["import os\nos._exit(1)"])
-    _make(subs / "ivy" / lesson, extra=[SPAWN_AND_HANG])
+    _make(subs / "hank" / lesson, edit={DEF_MEAN: "import os\nos._exit(1)"})
+    _make(subs / "ivy" / lesson, edit={DEF_WORDS: WORDS_OK + "\n" + spawn_and_hang(
+        subs / "ivy" / "pids.txt")})
     _make(subs / "kate.ipynb", release=True, edit={DEF_MEAN: "def mean(xs):\n    "
                                                    "return sum(xs) / len(xs)",
                                                    DEF_WORDS: WORDS_OK})
@@ -83,7 +88,8 @@ def graded(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COURSE_LIB_EXERCISES", str(EXERCISES))
         mp.setattr(batch.KernelSession, "start", recording_start)
-        rows = batch.grade_all([subs], out, notebook_timeout=NOTEBOOK_TIMEOUT, progress=progress)
+        rows = batch.grade_all([subs], out, notebook_timeout=NOTEBOOK_TIMEOUT, source=FIXTURES,
+                               progress=progress)
     by_student: dict = {}
     for row in rows:
         by_student.setdefault(row["student"], {})[row["exercise"]] = row
@@ -111,7 +117,9 @@ def test_deleted_or_faked_check_cells_graded_on_real_code(graded):
     rows = graded["by"]["dave"]
     assert _points(graded, "dave") == {"lesson97.mean": 1.33, "lesson97.count_words": 0.33}
     assert "expected 1.75, got 1.0" in rows["lesson97.mean"]["reason"]
-    assert rows["lesson97.count_words"]["reason"].startswith("2 of 3 cases failed")
+    assert "2 of 3 cases failed" in rows["lesson97.count_words"]["reason"]
+    assert rows["lesson97.mean"]["reason"].startswith(
+        "given code cell(s) 3, 5 edited or deleted in the submission: the original ran")
 
 
 def test_hangs_cut_off_and_next_exercise_still_graded(graded):
@@ -133,14 +141,14 @@ def test_invalid_json_scores_zero_with_reason(graded):
 def test_kernel_crash_scores_zero_with_reason(graded):
     rows = graded["by"]["hank"]
     assert _points(graded, "hank") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
-    assert "kernel died while running code cell 6" in rows["lesson97.mean"]["reason"]
+    assert "kernel died while running code cell 2" in rows["lesson97.mean"]["reason"]
 
 
 def test_notebook_timeout_then_graded_on_what_it_defined(graded):
     rows = graded["by"]["ivy"]
     assert _points(graded, "ivy") == {"lesson97.mean": 2.0, "lesson97.count_words": 1.0}
     assert rows["lesson97.mean"]["reason"].startswith(
-        f"the notebook ran past its {NOTEBOOK_TIMEOUT:g}s limit at code cell 6")
+        f"the notebook ran past its {NOTEBOOK_TIMEOUT:g}s limit at code cell 4")
 
 
 def test_no_process_left_behind(graded):
@@ -165,7 +173,7 @@ def test_command_line_and_resume(tmp_path):
     bad = tmp_path / "subs" / "nobody.ipynb"
     bad.write_text("not json")
     command = [sys.executable, "-m", "course_lib.grading.cli", "--out", str(tmp_path / "out"),
-               "--exercises", str(EXERCISES), "--timeout-exercise", "1"]
+               "--exercises", str(EXERCISES), "--timeout-exercise", "1", "--source", str(FIXTURES)]
     first = subprocess.run(command + [str(sub)], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     again = subprocess.run(command + ["--resume", str(sub), str(bad)], capture_output=True,
@@ -192,12 +200,13 @@ def test_command_line_rejects_bad_limits(tmp_path, capsys):
 
 def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
     first = _make(tmp_path / "subs" / "a_97_fixture.ipynb")
-    hang = _make(tmp_path / "subs" / "b_97_fixture.ipynb", extra=[SPAWN_AND_HANG])
+    pids = tmp_path / "subs" / "pids.txt"
+    hang = _make(tmp_path / "subs" / "b_97_fixture.ipynb",
+                 edit={DEF_WORDS: WORDS_OK + "\n" + spawn_and_hang(pids)})
     grader_run = subprocess.Popen(
         [sys.executable, "-m", "course_lib.grading.cli", str(first), str(hang), "--out",
-         str(tmp_path / "out"), "--exercises", str(EXERCISES)],
+         str(tmp_path / "out"), "--exercises", str(EXERCISES), "--source", str(FIXTURES)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    pids = tmp_path / "subs" / "pids.txt"
     try:
         deadline = time.monotonic() + 120
         while not pids.exists() and time.monotonic() < deadline:

@@ -18,7 +18,7 @@ import pytest
 
 from course_lib import build, release
 from course_lib.components import COMPONENTS
-from course_lib.grading import learner, plain
+from course_lib.grading import judge, plain
 from course_lib.grading.catalogue import exercises_for, lessons
 from course_lib.grading.compare import mismatch
 from learners import MARK_DDP, MARK_ENV, MARK_SAMPLER, ROOT, fill
@@ -92,7 +92,7 @@ def test_the_bundle_holds_every_expected_value_as_the_instructors_reference_comp
     every = [ex for lesson in lessons() for ex in exercises_for(lesson)]
     assert sorted(table) == sorted(ex.name for ex in every)
     for ex in every:
-        want = learner.expected_values(ex)
+        want = judge.expected_values(ex)
         assert mismatch(table[ex.name], want, 0.0, 0.0) is None, ex.name
 
 

@@ -1,38 +1,59 @@
-"""Batch grading: run each submitted notebook in a fresh kernel, then the package's own checks.
+"""Batch grading: each submission rebuilt from the instructor's source, run in a fresh kernel,
+then the package's own checks, judged in this process.
 
-The submission's cells run first (its check cells do nothing: `COURSE_LIB_GRADING=1`), so the
-functions it defines live in the kernel; then the grader injects one cell per exercise calling
-`kernel.grade_to_file`. Nothing the notebook printed is trusted. Every wait is bounded; the
-kernel and everything it started are ended by PID, whatever happened.
+The rebuilt notebook (`rebuild`: the release's given cells, the submission's answer cells) runs
+first, its check cells doing nothing (`COURSE_LIB_GRADING=1`), so the learner's functions live
+in the kernel; then the grader injects one cell per exercise calling `kernel.collect_to_file`,
+which writes what the function did as plain data to a path the kernel learns only then. Expected
+values, comparison and points are computed here (`judge`), never in the kernel; nothing it
+printed is read and nothing it wrote is unpickled. Every wait is bounded; the kernel runs under
+memory and file-size limits in a scratch folder, and it and everything it started (escaped
+double-forks included: `containment`) are ended by PID, whatever happened.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import run_sync
 
+from course_lib.grading import containment, judge, plain, rebuild
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
-from course_lib.grading.report import Result
 from course_lib.overlay import HOME_ENV, USE_ENV
 from course_lib.processes import ProcessSet
 
 FIELDS = ("student", "exercise", "points", "max_points", "reason", "notebook")
 PROBE_SECONDS = 15      # a kernel that cannot run `pass` in this long is killed
 CLUSTER_START_SECONDS = 90  # allowance for the grader's own cluster (distributed exercises)
-TREE_POLL_SECONDS = 0.5
+TREE_POLL_SECONDS = 0.2
+SOURCE = Path(__file__).resolve().parents[2] / "solutions"  # the instructor's, in the repo
+MEMORY_LIMIT = 8 * 2**30  # bytes of address space per kernel process (and each it starts)
+FILE_LIMIT = 2**30        # bytes of any one file a kernel writes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long and how much a submission may take."""
+
+    notebook_timeout: float = 600.0
+    exercise_timeout: float | None = None
+    memory: int = MEMORY_LIMIT
+    file_size: int = FILE_LIMIT
 
 
 @dataclass(frozen=True)
@@ -81,28 +102,44 @@ def _row(student: str, path: Path, exercise: str, points: float, max_points: flo
 class KernelSession:
     """A fresh kernel for one submission; `close()` ends it and its process tree by PID."""
 
-    def __init__(self, nb: nbformat.NotebookNode, cwd: Path):
+    def __init__(self, nb: nbformat.NotebookNode, cwd: Path,
+                 noted: Callable[[list], None] = lambda recorded: None):
         self.client = NotebookClient(nb, kernel_name="python3", allow_errors=True,
                                      interrupt_on_timeout=False, shutdown_kernel="graceful",
                                      resources={"metadata": {"path": str(cwd)}})
+        self.cwd = cwd
         self.pid: int | None = None
         self.tree = ProcessSet()  # the kernel and everything it starts
+        self._noted = noted       # told every PID as it is first seen (the ledger)
         self._closing = threading.Event()
+        self._started = 0.0
 
-    def start(self, env: dict[str, str], sockets: Path) -> None:
-        """Start the kernel with `env`, talking over Unix sockets in the folder `sockets`."""
+    def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits()) -> None:
+        """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
+        sockets in the folder `sockets`."""
         self.client.km = self.client.create_kernel_manager()
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
-        self.client.start_new_kernel(env=env)
+        self._started = time.time() - 1.0  # create_time is rounded; a second of slack
+        self.client.start_new_kernel(env=env, cwd=str(self.cwd),
+                                     preexec_fn=containment.limits(limits.memory, limits.file_size))
         self.pid = self.client.km.provisioner.pid
-        # Keep noting the kernel's descendants: if the kernel dies, they are re-parented.
+        self._note()
+        # Keep noting the kernel's descendants: if the kernel dies, they are re-parented to us.
         threading.Thread(target=self._watch_tree, daemon=True, name="course-grade-tree").start()
         self.client.start_new_kernel_client()
 
+    def _note(self) -> None:
+        before = len(self.tree.recorded)
+        self.tree.add(self.pid)
+        for child in containment.adopted_since(self._started):
+            self.tree.add(child)
+        if len(self.tree.recorded) != before:
+            self._noted(list(self.tree))
+
     def _watch_tree(self) -> None:
         while not self._closing.wait(TREE_POLL_SECONDS):
-            self.tree.add(self.pid)
+            self._note()
 
     def run(self, cell: nbformat.NotebookNode, index: int, timeout: float) -> str:
         """Execute one cell: "ok" (errors included), "timeout" or "dead"."""
@@ -138,30 +175,33 @@ class KernelSession:
         Returns the PIDs that had to be killed."""
         if self.client.km is None:
             return []
-        self.tree.add(self.pid)
+        self._note()
         self._closing.set()
         try:
             self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
         except Exception:  # noqa: BLE001 - ending the tree below is the backstop
             pass
-        return self.tree.end(grace=5.0)
+        killed = self.tree.end(grace=5.0)
+        for child in containment.adopted_since(self._started):  # forked while we ended the rest
+            self.tree.add(child)
+        return killed + self.tree.end(grace=2.0)
 
 
 def _check_source(ex: Exercise, out: Path, time_limit: float | None) -> str:
-    return ("from course_lib.grading.kernel import grade_to_file as _course_grade\n"
-            f"_course_grade({ex.name!r}, globals().get({ex.function!r}), {str(out)!r}, "
+    return ("from course_lib.grading.kernel import collect_to_file as _course_collect\n"
+            f"_course_collect({ex.name!r}, globals().get({ex.function!r}), {str(out)!r}, "
             f"time_limit={time_limit!r})")
 
 
 def _cell_error(cell: nbformat.NotebookNode) -> str:
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
-            return f"{out.get('ename')}: {out.get('evalue')}"
+            return f"{out.get('ename')}: {out.get('evalue')}"[:judge.MAX_TEXT]
     return "no result"
 
 
 def _read(sub: Submission, lesson: str | None) -> tuple:
-    """(notebook or None, its lesson's exercises, why it cannot be run or "")."""
+    """(notebook or None, its lesson, the lesson's exercises, why it cannot be run or "")."""
     try:
         nb, error = nbformat.read(sub.path, as_version=4), ""
     except Exception as exc:  # noqa: BLE001 - bad JSON, bad schema, unreadable file
@@ -172,11 +212,11 @@ def _read(sub: Submission, lesson: str | None) -> tuple:
         error = (f"no exercises registered for lesson {name!r}" if name else
                  "cannot tell which lesson this is: name the file after it "
                  "(e.g. 00_cluster.ipynb) or pass --lesson")
-    return nb, exercises, error
+    return nb, name, exercises, error
 
 
 def _run_notebook(session: KernelSession, cells: list, timeout: float) -> tuple[str, str]:
-    """Run the submission's own cells within `timeout` seconds in all.
+    """Run the notebook's code cells within `timeout` seconds in all.
     Returns (a note for every reason, why nothing can be graded or "")."""
     deadline = time.monotonic() + timeout
     for i, cell in enumerate(cells):
@@ -194,21 +234,33 @@ def _run_notebook(session: KernelSession, cells: list, timeout: float) -> tuple[
     return "", ""
 
 
+def _judged(ex: Exercise, path: Path, limit: float) -> tuple[float, str]:
+    """Points and reason for what the kernel wrote to `path`, judged here."""
+    try:
+        if path.stat().st_size > plain.MAX_BYTES:
+            raise judge.Malformed(f"over {plain.MAX_BYTES} bytes")
+        refused, outcomes = judge.validated(ex, json.loads(path.read_bytes()))
+    except (ValueError, RecursionError) as exc:  # judge.Malformed is a ValueError
+        return 0.0, f"the kernel's results for {ex.name} are not valid: {str(exc)[:200]}"
+    result = judge.zero(ex, refused) if refused else judge.judge(ex, outcomes, limit)
+    return result.points, result.reason
+
+
 def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
                 exercise_timeout: float | None) -> list[tuple[Exercise, float, str]]:
     """The package's checks, one injected cell each: (exercise, points, reason) per exercise."""
     graded, hung = [], ""
-    for k, ex in enumerate(exercises):
+    for ex in exercises:
         if hung:
             graded.append((ex, 0.0, f"not graded: {hung}"))
             continue
-        out = work / f"{k}.json"
-        limit = (exercise_timeout or ex.time_limit) * len(ex.cases) + 15
+        out = work / f"{secrets.token_hex(16)}.json"  # unknown to the notebook until now
+        call_limit = exercise_timeout or ex.time_limit
+        limit = call_limit * len(ex.cases) + 15
         limit += CLUSTER_START_SECONDS if ex.distributed else 0
         status, cell = session.run_code(_check_source(ex, out, exercise_timeout), limit)
-        if status == "ok" and out.exists():
-            result = Result.from_dict(json.loads(out.read_text()))
-            graded.append((ex, result.points, result.reason))
+        if status == "ok" and out.is_file():
+            graded.append((ex, *_judged(ex, out, float(call_limit))))
             continue
         if status == "ok":
             reason = f"grader error: {_cell_error(cell)}"
@@ -225,11 +277,12 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
     return graded
 
 
-def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
-                     exercise_timeout: float | None = None,
-                     lesson: str | None = None) -> list[dict]:
-    """One row per exercise of the submission's lesson (or one row if that cannot be told)."""
-    nb, exercises, error = _read(sub, lesson)
+def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str | None = None,
+                     source: Path = SOURCE, noted: Callable[[list], None] = lambda r: None,
+                     env: dict[str, str] | None = None) -> list[dict]:
+    """One row per exercise of the submission's lesson (or one row if that cannot be told).
+    `source` holds the instructor's notebooks; `noted` is told the PIDs the kernel starts."""
+    nb, name, exercises, error = _read(sub, lesson)
 
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
@@ -237,22 +290,26 @@ def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
 
     if not exercises:
         return [_row(sub.student, sub.path, "", 0.0, 0.0, error)]
+    if not error:
+        try:
+            nb, changed = rebuild.rebuild(nb, rebuild.template(source, name))
+        except (OSError, ValueError) as exc:  # NoSource, a source that breaks the build rules
+            error = f"grader error: {exc}"
     if error:
         return rows([(ex, 0.0, error) for ex in exercises])
     nb.cells = [c for c in nb.cells if c.cell_type == "code"]
-    for c in nb.cells:
-        c.outputs, c.execution_count = [], None
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
-    session = KernelSession(nb, sub.path.resolve().parent)
+    (work / "cwd").mkdir()
+    session = KernelSession(nb, work / "cwd", noted)
     try:
         # The package's reference components, never a learner's overlay on this machine
-        session.start(dict(os.environ, **{GRADING_ENV: "1", USE_ENV: "reference",
-                                          HOME_ENV: str(work / "home")}), work)
-        note, fatal = _run_notebook(session, list(nb.cells), notebook_timeout)
+        session.start(dict(env or os.environ, **{GRADING_ENV: "1", USE_ENV: "reference",
+                                                 HOME_ENV: str(work / "home")}), work, limits)
+        note, fatal = _run_notebook(session, list(nb.cells), limits.notebook_timeout)
         if fatal:
-            return rows([(ex, 0.0, fatal) for ex in exercises])
-        return rows([(ex, points, note + reason) for ex, points, reason
-                     in _run_checks(session, exercises, work, exercise_timeout)])
+            return rows([(ex, 0.0, changed + fatal) for ex in exercises])
+        return rows([(ex, points, changed + note + reason) for ex, points, reason
+                     in _run_checks(session, exercises, work, limits.exercise_timeout)])
     except Exception as exc:  # noqa: BLE001 - e.g. the kernel would not start; grading goes on
         return rows([(ex, 0.0, f"grader error: {type(exc).__name__}: {exc}")
                      for ex in exercises])
@@ -261,49 +318,108 @@ def grade_submission(sub: Submission, *, notebook_timeout: float = 600.0,
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_results(rows: list[dict], out_dir: Path) -> None:
-    """Rewrite grades.csv and grades.json atomically (a reader never sees half a file)."""
-    import csv
-    import io
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    for name, text in (("grades.csv", buf.getvalue()),
-                       ("grades.json", json.dumps(rows, indent=1) + "\n")):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out_dir / name)
+
+class Results:
+    """grades.csv and grades.json, rewritten whole and atomically from the rows held here after
+    each submission (a reader never sees half a file); a change made by anyone else between two
+    writes is noticed and undone."""
+
+    NAMES = ("grades.csv", "grades.json")
+
+    def __init__(self, out_dir: Path, rows: list[dict]):
+        self.dir, self.rows = Path(out_dir), list(rows)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._written: dict[str, str | None] = {}
+
+    def tampered(self) -> bool:
+        """True when a results file differs from what this grader last wrote."""
+        return bool(self._written) and any(_digest(self.dir / n) != d
+                                           for n, d in self._written.items())
+
+    def write(self) -> None:
+        import csv
+        import io
+
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        for name, text in zip(self.NAMES, (buf.getvalue(), json.dumps(self.rows, indent=1) + "\n")):
+            tmp = self.dir / f".{name}.tmp"
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.dir / name)
+            self._written[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def write_results(rows: list[dict], out_dir: Path) -> None:
+    """Rewrite grades.csv and grades.json atomically from `rows`."""
+    Results(out_dir, rows).write()
+
+
+def _previous(out: Path) -> list[dict]:
+    """The rows an interrupted run left, checked field by field (a row per exercise)."""
+    try:
+        rows = json.loads((out / "grades.json").read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError as exc:
+        raise ValueError(f"cannot resume: {out / 'grades.json'} is not valid JSON ({exc})")
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and set(r) == set(FIELDS)
+                                           for r in rows)):
+        raise ValueError(f"cannot resume: {out / 'grades.json'} does not hold course-grade rows")
+    return rows
 
 
 def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
               notebook_timeout: float = 600.0, exercise_timeout: float | None = None,
               lesson: str | None = None, exercise_files: list[str] = (),
-              resume: bool = False, progress=print) -> list[dict]:
+              resume: bool = False, source: str | os.PathLike = SOURCE,
+              memory_limit: int = MEMORY_LIMIT, file_limit: int = FILE_LIMIT,
+              progress=print) -> list[dict]:
     """Grade every submission, writing the results after each one; returns all rows.
-    With `resume`, rows already in `out_dir/grades.json` are kept and their notebooks skipped."""
+    With `resume`, rows already in `out_dir/grades.json` are kept and their notebooks skipped;
+    whatever an interrupted run left running is ended first."""
     if exercise_files:
         os.environ[EXTRA_ENV] = os.pathsep.join(
             [p for p in os.environ.get(EXTRA_ENV, "").split(os.pathsep) if p]
             + [str(Path(f).resolve()) for f in exercise_files])
     if lesson and lesson not in lessons():
         raise ValueError(f"unknown lesson {lesson!r}; lessons with exercises: {lessons()}")
+    limits = Limits(notebook_timeout, exercise_timeout, memory_limit, file_limit)
     out = Path(out_dir)
-    previous = out / "grades.json"
-    rows: list[dict] = json.loads(previous.read_text()) if resume and previous.exists() else []
-    done = {r["notebook"] for r in rows}
-    for sub in collect(paths):
-        if str(sub.path) in done:
-            progress(f"{sub.student} ({sub.path}): already graded, skipped")
-            continue
-        start = time.monotonic()
-        new = grade_submission(sub, notebook_timeout=notebook_timeout,
-                               exercise_timeout=exercise_timeout, lesson=lesson)
-        rows += new
-        write_results(rows, out)
-        got, best = sum(r["points"] for r in new), sum(r["max_points"] for r in new)
-        progress(f"{sub.student} ({sub.path}): {got:g} / {best:g} points "
-                 f"[{time.monotonic() - start:.0f}s]")
-    return rows
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = containment.Ledger(out)
+    for pid in ledger.end_leftovers():
+        progress(f"ended PID {pid}, left running by an interrupted course-grade")
+    containment.adopt_orphans()
+    results = Results(out, _previous(out) if resume else [])
+    results.write()  # an interrupted run may have replaced one file and not the other
+    done = {r["notebook"] for r in results.rows}
+    env = dict(os.environ, **{containment.TOKEN_ENV: ledger.token})
+    try:
+        for sub in collect(paths):
+            if str(sub.path) in done:
+                progress(f"{sub.student} ({sub.path}): already graded, skipped")
+                continue
+            start = time.monotonic()
+            new = grade_submission(sub, limits=limits, lesson=lesson, source=Path(source),
+                                   noted=ledger.write, env=env)
+            if results.tampered():
+                for r in new:
+                    r["reason"] += (" [the submission wrote into the grades folder: "
+                                    "the grades were rewritten]")
+            results.rows += new
+            results.write()
+            done.add(str(sub.path))
+            got, best = sum(r["points"] for r in new), sum(r["max_points"] for r in new)
+            progress(f"{sub.student} ({sub.path}): {got:g} / {best:g} points "
+                     f"[{time.monotonic() - start:.0f}s]")
+    finally:
+        ledger.clear()
+    return results.rows

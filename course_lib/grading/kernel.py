@@ -1,7 +1,9 @@
 """What `course-grade` runs inside a submission's kernel, after the submission's own cells.
 
-The grader injects cells calling `grade_to_file`; results travel back as a JSON file (plain
-data, never pickles), so nothing the notebook printed or displayed is read.
+The grader injects cells calling `collect_to_file`: it calls the learner's function on the
+exercise's cases (on the grader's own cluster for distributed ones) and writes what each call
+did as JSON, values as `plain` data (never pickles). Expected values, comparison and points are the
+grader's (`judge`), in its own process: nothing here decides a grade.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import json
 import os
 from typing import Any
 
+from course_lib.grading import plain
 from course_lib.grading.catalogue import get_exercise
-from course_lib.grading.learner import grade_function
+from course_lib.grading.compare import show
+from course_lib.grading.learner import collect, refusal
+from course_lib.grading.report import Outcome
 
 _CLUSTERS: dict[tuple[int, str], Any] = {}  # the grader's own clusters, never the notebook's
 
@@ -30,19 +35,42 @@ def _cluster(world_size: int, backend: str, timeout: float) -> Any:
     return _CLUSTERS[key]
 
 
-def grade_to_file(name: str, fn: Any, path: str, time_limit: float | None = None,
-                  cluster_timeout: float = 60.0) -> None:
-    """Grade `fn` for exercise `name` and write the Result as JSON to `path`."""
+def _plain_out(out: dict) -> dict:
+    """One call's outcome with its value as plain data, or described if it cannot be."""
+    out = dict(out, status=str(Outcome(out["status"]).value))
+    if "value" in out:
+        try:
+            out["value"] = plain.to_plain(out["value"])
+        except plain.PlainError:
+            value = out.pop("value")
+            out["unplain"] = f"{show(value)} (a {type(value).__name__})"
+    return out
+
+
+def collect_to_file(name: str, fn: Any, path: str, time_limit: float | None = None,
+                    cluster_timeout: float = 60.0) -> None:
+    """Call `fn` on exercise `name`'s cases and write the outcomes as plain JSON to `path`."""
     ex = get_exercise(name)
-    cluster = _cluster(ex.world_size, ex.backend, cluster_timeout) if ex.distributed else None
-    result = grade_function(ex, fn, cluster, time_limit=time_limit)
+    problem = refusal(ex, fn)
+    doc: dict = {"exercise": name}
+    if problem:
+        doc["refused"] = problem
+    else:
+        cluster = _cluster(ex.world_size, ex.backend, cluster_timeout) if ex.distributed else None
+        found = collect(ex, fn, cluster, float(time_limit or ex.time_limit))
+        doc["cases"] = [{"outs": [_plain_out(o) for o in c["outs"]], "halt": c["halt"]}
+                        for c in found]
+    text = json.dumps(doc)  # values are plain data already; the rest is JSON
+    if len(text) > plain.MAX_BYTES:
+        text = json.dumps({"exercise": name, "refused": f"its results are over "
+                                                        f"{plain.MAX_BYTES} bytes"})
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result.to_dict(), f)
+        f.write(text)
     os.replace(tmp, path)
 
 
 def stop_clusters() -> None:
-    """Stop every cluster `grade_to_file` started."""
+    """Stop every cluster `collect_to_file` started."""
     while _CLUSTERS:
         _CLUSTERS.popitem()[1].stop()

@@ -1,0 +1,93 @@
+"""Keeping a submission's kernel in bounds: resource limits, escaped processes found again,
+and a ledger of PIDs so that a grader killed outright leaves nothing running after its next start.
+
+A kernel gets an address-space and a file-size limit (inherited by everything it starts), so
+exhausting memory or writing a huge file fails inside the submission. The grader makes itself
+a child subreaper (Linux), so a process that double-forks away from the kernel is re-parented
+to the grader, which notes and ends it with the kernel. Every PID noted is also written to the
+ledger in the grades folder; a later `course-grade` ends any that still run (only processes
+that carry this run's token in their environment: the ledger is not trusted to name others).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import secrets
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from course_lib.processes import Recorded, end_processes
+
+PR_SET_CHILD_SUBREAPER = 36
+TOKEN_ENV = "COURSE_GRADE_RUN"  # in every kernel's environment: which run started it
+LEDGER = ".course-grade-pids.json"
+
+
+def limits(memory_bytes: int, file_bytes: int) -> Callable[[], None]:
+    """A `preexec_fn` setting a kernel's address-space and file-size limits (no core files)."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def adopt_orphans() -> bool:
+    """Make this process a child subreaper (Linux only; False elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def adopted_since(created: float) -> list[psutil.Process]:
+    """This process's children started at or after `created` (the kernel, orphans adopted)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if child.create_time() >= created:
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+class Ledger:
+    """The PIDs one grading run started, on disk in the grades folder as they appear."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LEDGER
+        self.token = secrets.token_hex(16)
+
+    def write(self, recorded: list[Recorded]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"token": self.token, "pids": recorded}))
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def end_leftovers(self) -> list[int]:
+        """End what an earlier run noted and that still runs with its token; returns the PIDs."""
+        try:
+            data = json.loads(self.path.read_text())
+            token, entries = str(data["token"]), [(int(p), float(t)) for p, t in data["pids"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        ours = []
+        for pid, created in entries:
+            try:
+                if psutil.Process(pid).environ().get(TOKEN_ENV) == token:
+                    ours.append((pid, created))
+            except psutil.Error:
+                pass
+        ended = [pid for pid, _ in ours]
+        end_processes(ours, grace=2.0, reap=False)
+        self.clear()
+        return ended

@@ -1,0 +1,219 @@
+"""Judging what a learner's function did: expected values, comparison, points and reasons.
+
+The other half of `learner`: `learner.collect` calls the learner's function and describes each
+call as plain data; `judge` turns that into a `Result`. `course-grade` runs `judge` in its own
+process on data read back from the submission's kernel (`validated` first), so nothing the
+submission patched there (the comparison, torch, the grading functions) takes part.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from course_lib.grading import plain
+from course_lib.grading.catalogue import Case, Exercise, substitute
+from course_lib.grading.compare import WRONG_VALUE, mismatch, show
+from course_lib.grading.report import CaseResult, Outcome, Result, Row
+
+RELEASED_EXPECTED = Path(__file__).with_name("expected.json")  # written by course.py release
+MAX_TEXT = 500  # characters of any message that comes back from a kernel
+_CALLED = {Outcome.RETURNED, Outcome.NOT_IMPLEMENTED, Outcome.ERROR, Outcome.TIMEOUT,
+           Outcome.LOST}  # what one call of the learner's function can report
+_released: dict | None = None
+
+
+class ReferenceMissing(Exception):
+    """The expected values need a packaged module that this release ships without answers."""
+
+
+class Malformed(ValueError):
+    """Collected outcomes that are not what `learner.collect` writes (a faked or cut file)."""
+
+
+def released_expected(ex: Exercise, c: Case, rank: int | None, world: int | None) -> Any:
+    """A student release's expected value, computed by the instructor's reference when the
+    release was made: used where the release does not ship the reference."""
+    global _released
+    if _released is None:
+        _released = plain.loads(RELEASED_EXPECTED.read_text()) if RELEASED_EXPECTED.is_file() else {}
+    entry = _released.get(ex.name)
+    index = next(i for i, x in enumerate(ex.cases) if x is c)
+    if entry is None or entry["world"] != world or index >= len(entry["cases"]):
+        raise ReferenceMissing(f"{ex.name}'s expected values need a reference that this "
+                               "student release does not ship; check it in the instructor's "
+                               "repository")
+    return entry["cases"][index][rank]
+
+
+def expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None = None) -> Any:
+    """The expected value, from the packaged reference only (never the learner's overlay)."""
+    from course_lib.components import COMPONENTS
+    from course_lib.overlay import packaged_only, reference_shipped
+
+    if c.has_expected:
+        return c.expected
+    args, kwargs = copy.deepcopy((c.args, c.kwargs))
+    if rank is not None:
+        args, kwargs = substitute(args, rank, world), substitute(kwargs, rank, world)
+    with packaged_only():
+        try:
+            return ex.reference(*args, **kwargs)
+        except Exception as exc:
+            # In a release a stub's NotImplementedError may surface wrapped (a CheckpointError)
+            if not isinstance(exc, NotImplementedError) and all(map(reference_shipped, COMPONENTS)):
+                raise
+    return released_expected(ex, c, rank, world)
+
+
+def expected_values(ex: Exercise) -> dict:
+    """Every expected value of an exercise, as `released_expected` reads them back."""
+    world = ex.world_size if ex.distributed else None
+    ranks = range(world) if world else [None]
+    return {"world": world, "cases": [{r: expected(ex, c, r, world) for r in ranks}
+                                      for c in ex.cases]}
+
+
+def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float) -> Row:
+    shown = show(want)
+    status = Outcome(out["status"])
+    if status is Outcome.RETURNED and "unplain" in out:
+        return Row(rank, False, shown, out["unplain"], "not a value the check can compare "
+                   "(numbers, strings, lists, tuples, dicts and tensors are)")
+    if status is Outcome.RETURNED:
+        diff = mismatch(out["value"], want, ex.rtol, ex.atol)
+        return Row(rank, diff is None, shown, show(out["value"]), diff or "")
+    if status is Outcome.NOT_IMPLEMENTED:
+        return Row(rank, False, shown, "NotImplementedError", "not implemented yet", status)
+    if status is Outcome.TIMEOUT:
+        note = f"timed out after {limit:g}s (endless loop or deadlock?)"
+        if out.get("stopped") is False:
+            note += "; it is still running in the background: restart the kernel if slow"
+        return Row(rank, False, shown, "no result", note, status)
+    if status is Outcome.LOST:
+        return Row(rank, False, shown, "no result", out["note"], status)
+    where = f" ({out['where']})" if out.get("where") else ""
+    return Row(rank, False, shown, out["error"], f"raised {out['error']}{where}", status)
+
+
+def _rows(ex: Exercise, c: Case, outs: list[dict], limit: float) -> list[Row]:
+    """One row per call (per rank when distributed), and the total's row if the exercise has one."""
+    if not ex.distributed:
+        return [_outcome_row(None, outs[0], expected(ex, c), ex, limit)]
+    world = len(outs)
+    want = [expected(ex, c, r, world) for r in range(world)]
+    rows = [_outcome_row(r, out, want[r], ex, limit) for r, out in enumerate(outs)]
+    if ex.total is not None:
+        if all(o["status"] == Outcome.RETURNED and "unplain" not in o for o in outs):
+            rows.append(_outcome_row("all", {"status": Outcome.RETURNED,
+                                             "value": ex.total([o["value"] for o in outs])},
+                                     ex.total(want), ex, limit))
+        else:
+            rows.append(Row("all", False, show(ex.total(want)), "no result",
+                            "some ranks gave no value", Outcome.LOST))
+    return rows
+
+
+def _summary(ex: Exercise, cases: list[CaseResult], stopped: str) -> tuple[float, str]:
+    failed = [c for c in cases if not c.passed]
+    points = round(ex.points * (len(cases) - len(failed)) / len(cases), 2)
+    if stopped:
+        return points, stopped
+    if not failed:
+        return points, f"all {len(cases)} cases passed"
+    first = failed[0]
+    row = next(r for r in first.rows if not r.passed)
+    rank = "" if row.rank is None else ("all ranks: " if row.rank == "all" else
+                                        f"rank {row.rank}: ")
+    what = row.note
+    if what == WRONG_VALUE:
+        what = f"expected {row.expected}, got {row.got}"
+    return points, f"{len(failed)} of {len(cases)} cases failed; first: {first.label}: {rank}{what}"
+
+
+def zero(ex: Exercise, reason: str, cases: list | None = None) -> Result:
+    """No points, and why."""
+    return Result(ex.name, 0.0, float(ex.points), reason, cases or [], ex.hint)
+
+
+def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
+    """Points in proportion to cases passed; a case with no outcome (cut short) counts as failed."""
+    cases: list[CaseResult] = []
+    stopped = ""
+    for i, c in enumerate(ex.cases):
+        label = c.describe(ex.function)
+        if stopped or i >= len(collected):
+            cases.append(CaseResult(label, [Row(None, False, "", "", "not run", Outcome.NOT_RUN)]))
+            continue
+        try:
+            rows = _rows(ex, c, collected[i]["outs"], limit)
+        except ReferenceMissing as exc:
+            return zero(ex, str(exc), cases)
+        halt = collected[i]["halt"]
+        cases.append(CaseResult(label, rows))
+        outcomes = {r.outcome for r in rows}
+        if Outcome.NOT_IMPLEMENTED in outcomes:
+            return zero(ex, f"not implemented yet: {ex.function} raises NotImplementedError",
+                        cases)
+        if Outcome.TIMEOUT in outcomes:
+            where = [str(r.rank) for r in rows
+                     if r.rank is not None and r.outcome is Outcome.TIMEOUT]
+            ranks = f" on rank(s) {', '.join(where)}" if where else ""
+            stopped = (f"timed out: {label} did not finish within {limit:g}s{ranks} "
+                       f"(an endless loop or a deadlock?){'; ' + halt if halt else ''}")
+        elif halt:
+            stopped = halt
+    points, reason = _summary(ex, cases, stopped)
+    return Result(ex.name, points, float(ex.points), reason, cases, ex.hint)
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise Malformed(f"{what} is a {type(value).__name__}, not text")
+    return value[:MAX_TEXT]
+
+
+def validated(ex: Exercise, doc: Any) -> tuple[str, list[dict]]:
+    """(why the function was not called or "", its outcomes) from a document a kernel wrote,
+    checked field by field against what `learner.collect` writes for `ex`."""
+    if not isinstance(doc, dict) or doc.get("exercise") != ex.name:
+        raise Malformed(f"not the outcomes of {ex.name}")
+    if "refused" in doc:
+        return _text(doc["refused"], "the refusal") or "refused", []
+    cases = doc.get("cases")
+    if not isinstance(cases, list) or len(cases) > len(ex.cases):
+        raise Malformed(f"expected at most {len(ex.cases)} cases")
+    calls = ex.world_size if ex.distributed else 1
+    clean = []
+    for i, case in enumerate(cases):
+        if not (isinstance(case, dict) and set(case) == {"outs", "halt"}
+                and isinstance(case["outs"], list) and len(case["outs"]) == calls):
+            raise Malformed(f"case {i}: expected {calls} outcome(s) and a halt note")
+        outs = []
+        for r, out in enumerate(case["outs"]):
+            if not isinstance(out, dict) or out.get("status") not in {o.value for o in _CALLED}:
+                raise Malformed(f"case {i}, call {r}: no known status")
+            keep = {"status": Outcome(out["status"])}
+            if keep["status"] is Outcome.RETURNED:
+                if "unplain" in out:
+                    keep["unplain"] = _text(out["unplain"], "a value's description")
+                elif "value" in out:
+                    try:
+                        keep["value"] = plain.from_plain(out["value"])
+                    except plain.PlainError as exc:
+                        raise Malformed(f"case {i}, call {r}: {exc}") from None
+                else:
+                    raise Malformed(f"case {i}, call {r}: returned, but no value")
+            for key in ("where", "error", "note"):
+                if key in out:
+                    keep[key] = _text(out[key], key)
+            if keep["status"] is Outcome.ERROR:
+                keep.setdefault("error", "an error")
+            if keep["status"] is Outcome.LOST:
+                keep.setdefault("note", "no result")
+            if isinstance(out.get("stopped"), bool):
+                keep["stopped"] = out["stopped"]
+            outs.append(keep)
+        clean.append({"outs": outs, "halt": _text(case["halt"], "the halt note")})
+    return "", clean

@@ -1,0 +1,93 @@
+"""course-grade killed outright (SIGKILL) at several moments, then resumed: every student is
+graded exactly once, the results files are whole after every kill, and nothing the killed runs
+started is left running."""
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from course_lib.processes import end_processes
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures" / "grading"
+SOLUTION = FIXTURES / "97_fixture.ipynb"
+DEF_WORDS = 4
+TAG = "COURSE_GRADE_RESUME_TEST"
+STUDENTS = [f"s{i}" for i in range(8)]
+# s2's answer cell leaves a child running for a while: a kill then orphans it
+SPAWNS = "import subprocess, time\nsubprocess.Popen(['sleep', '120'])\ntime.sleep(2)\n"
+
+
+def _tagged() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _whole(out: Path) -> list[dict]:
+    """The rows on disk; fails if either file is half-written or they disagree in kind."""
+    if not (out / "grades.json").exists():
+        return []
+    rows = json.loads((out / "grades.json").read_text())  # raises on a half-written file
+    with open(out / "grades.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert all(len(r) == 6 and None not in r.values() for r in table)
+    assert len(rows) % 2 == 0 and len(table) % 2 == 0  # two exercises per student, always
+    return rows
+
+
+def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    for name in STUDENTS:
+        nb = nbformat.read(SOLUTION, as_version=4)
+        if name == "s2":
+            nb.cells[DEF_WORDS].source = SPAWNS + nb.cells[DEF_WORDS].source
+        nbformat.write(nb, subs / f"{name}_97_fixture.ipynb")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "course_lib.grading.cli", str(subs), "--out", str(out),
+               "--exercises", str(FIXTURES / "exercises_97.py"), "--source", str(FIXTURES),
+               "--resume"]
+    env = dict(os.environ, **{TAG: uuid.uuid4().hex})
+    # seconds after each start: while it starts, runs a kernel, writes results (about 3 s each)
+    moments = [random.Random(17 + k).uniform(2.0, 10.0) for k in range(4)]
+    seen = []
+    try:
+        for moment in moments:
+            run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+            time.sleep(moment)
+            run.send_signal(signal.SIGKILL)
+            run.wait(timeout=30)
+            seen.append(len(_whole(out)))
+        final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert final.returncode == 0, final.stderr
+        time.sleep(1)  # a killed run's kernel notices its parent is gone within a second
+        left = [p.pid for p in _tagged()]
+    finally:
+        end_processes([(p.pid, p.create_time()) for p in _tagged()], grace=2.0, reap=False)
+    rows = _whole(out)
+    graded = [r["student"] for r in rows if r["exercise"] == "lesson97.mean"]
+    assert sorted(graded) == [f"{s}_97_fixture" for s in STUDENTS]  # each exactly once
+    assert all(r["points"] == r["max_points"] for r in rows), rows
+    assert seen == sorted(seen) and seen[-1] < len(rows), seen  # every kill interrupted it
+    assert len(set(seen)) > 1, seen  # and at different submissions
+    assert left == []
+    assert not (out / ".course-grade-pids.json").exists()
