@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
         "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
         "export": "write a lesson you completed into your own course_lib: export 04 (--status)",
         "release": "write the student bundle, without solutions, into a new folder: release DIR",
+        "nbgrader": "lay out an nbgrader 0.9 course from the source: nbgrader DIR [LESSON...]",
     }
     if not argv or argv[0] not in commands:
         print(__doc__)
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> int:
             print(f"  python3 course.py {name:6} {what}")
         return 2
     command, rest = argv[0], argv[1:]
-    if command in ("test", "build", "release") and not (ROOT / "solutions").is_dir():
+    if command in ("test", "build", "release", "nbgrader") and not (ROOT / "solutions").is_dir():
         print(f"course.py {command}: this is the student release, which has no solutions/ or "
               "tests: each notebook's checks grade your work (python3 course.py lab)")
         return 2
@@ -100,6 +101,8 @@ def main(argv: list[str]) -> int:
                    "sys.exit(main(sys.argv[1:]))", *rest)
     if command == "release":
         return run(PY, "-m", "course_lib.release", *rest)
+    if command == "nbgrader":
+        return run(PY, "-m", "course_lib.grading.nbgrader_course", *rest)
     return run(PY, "-m", "course_lib.bench", *rest, env=env)
 
 
