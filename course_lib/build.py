@@ -4,7 +4,8 @@ It also keeps nbgrader's cell metadata in `solutions/` current (`grading.cells`)
 change it makes to the source.
 
 `python -m course_lib.build` regenerates both; `--check` changes nothing and exits 1 listing
-every generated file that is stale, missing, or left over from a notebook that is gone.
+every generated file that is stale, missing, or left over from a notebook that is gone, and
+every piece of a translated edition whose entry is missing or fuzzy (course_lib.translate).
 Output is byte-stable (sorted JSON keys, fixed indentation), so the check is exact.
 """
 
@@ -18,6 +19,8 @@ import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from course_lib import translate
 
 if TYPE_CHECKING:  # nbformat takes a second to import: only the build itself needs it
     import nbformat
@@ -250,6 +253,11 @@ def expected_files(root: Path) -> dict[str, bytes]:
         nb = with_nbgrader(_read(src), src.name)  # the source carries nbgrader's cell marks
         files[f"{SOLUTIONS}/{src.name}"] = _dump(nb)
         files[f"{NOTEBOOKS}/{src.name}"] = _dump(student_notebook(nb, src.name))
+        for lang in translate.EDITIONS:  # a lesson's edition exists once it is translated
+            po = translate.catalogue_path(root / SOLUTIONS, lang, src.stem)
+            if po.is_file() and src.stem not in translate.pending(lang):
+                files[f"{NOTEBOOKS}/{lang}/{src.name}"] = _dump(student_notebook(
+                    translate.translated(nb, po, lang), src.name))
         for path, text in exported_modules(nb, src.name).items():
             if path in owners:
                 raise BuildError(f"{path} is exported by both {owners[path]} and {src.name}")
@@ -272,6 +280,8 @@ def _is_generated_module(path: Path) -> bool:
 def generated_on_disk(root: Path) -> set[str]:
     """Files that only the build may write: student notebooks and modules with our header."""
     found = {p.relative_to(root).as_posix() for p in (root / NOTEBOOKS).glob("*.ipynb")}
+    found |= {p.relative_to(root).as_posix() for lang in translate.EDITIONS
+              for p in (root / NOTEBOOKS / lang).glob("*.ipynb")}
     found |= {p.relative_to(root).as_posix() for p in (root / PACKAGE).rglob("*.py")
               if _is_generated_module(p)}
     return found
@@ -295,6 +305,8 @@ def stale(root: Path) -> list[str]:
     problems = [f"{why}: {rel}" for rel, why in _out_of_date(root, want)]
     problems += [f"orphan (its notebook is gone): {rel}"
                  for rel in sorted(generated_on_disk(root) - set(want))]
+    for lang in translate.EDITIONS:
+        problems += translate.problems(root / SOLUTIONS, lang)
     return problems
 
 
@@ -331,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in lines:
         print(line)
+    if not args.check:
+        for lang in translate.EDITIONS:
+            for line in translate.problems(args.root / SOLUTIONS, lang):
+                print(f"warning: {line}", file=sys.stderr)
+    for lang in translate.EDITIONS:
+        if translate.pending(lang):
+            print(f"{lang}: not translated yet (course_lib.translate.PENDING): "
+                  f"{', '.join(translate.pending(lang))}", file=sys.stderr)
     if args.check and lines:
         print("course-build --check: generated files are out of date; "
               "run `python -m course_lib.build`", file=sys.stderr)

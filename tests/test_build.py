@@ -24,6 +24,7 @@ def repo(tmp_path: Path) -> Path:
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "course_lib").mkdir()
     shutil.copy(FIXTURE, tmp_path / "solutions")
+    shutil.copytree(FIXTURE.parent / "es", tmp_path / "solutions" / "es")  # its Spanish catalogue
     return tmp_path
 
 
@@ -149,7 +150,8 @@ def test_editing_an_exported_cell_without_rebuilding_fails_check(repo: Path):
     assert build.stale(repo) == []
     _edit_cell(repo / "solutions" / "90_fixture.ipynb", 6, "TAU = 2", "TAU = 3")
     assert build.stale(repo) == ["stale: course_lib/fixture_mod.py",
-                                 "stale: notebooks/90_fixture.ipynb"]
+                                 "stale: notebooks/90_fixture.ipynb",
+                                 "stale: notebooks/es/90_fixture.ipynb"]
     build.build(repo)
     assert build.stale(repo) == []
 
@@ -169,7 +171,8 @@ def test_orphans_are_reported_and_removed(repo: Path):
     assert build.stale(repo) == [
         "orphan (its notebook is gone): course_lib/components.py",
         "orphan (its notebook is gone): course_lib/fixture_mod.py",
-        "orphan (its notebook is gone): notebooks/90_fixture.ipynb"]
+        "orphan (its notebook is gone): notebooks/90_fixture.ipynb",
+        "orphan (its notebook is gone): notebooks/es/90_fixture.ipynb"]
     build.build(repo)
     assert build.stale(repo) == []
     assert hand_written.exists() and not (repo / "course_lib" / "fixture_mod.py").exists()

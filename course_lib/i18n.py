@@ -1,0 +1,159 @@
+"""The language a learner reads, and gettext catalogues (`.po`, read with polib; no `.mo`).
+
+English is the source of every message: `_("all {n} cases passed", n=3)` returns it in the
+current language, which is `language(...)`'s while one is active (the grader sets the
+submission's), else `$COURSE_LANG`, else English. Catalogues are edited with the ordinary
+tools (Poedit, Weblate, `msgmerge`); an entry that is fuzzy or untranslated falls back to
+English. The package's own messages live in `course_lib/locale/LANG/course_lib.po`, extracted
+from the code by `python -m course_lib.i18n extract` (every `_("...")` literal and every
+exercise's `hint=`).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import json
+import os
+import string
+import sys
+from pathlib import Path
+from typing import Iterator
+
+LANGUAGES = ("en", "es")
+LANG_ENV = "COURSE_LANG"
+PACKAGE_DIR = Path(__file__).resolve().parent
+_active: contextvars.ContextVar[str | None] = contextvars.ContextVar("course_lang", default=None)
+_loaded: dict[Path, tuple[float, dict[str, str]]] = {}
+
+
+def current() -> str:
+    """The language messages are written in now."""
+    lang = _active.get() or os.environ.get(LANG_ENV, "en")
+    return lang if lang in LANGUAGES else "en"
+
+
+@contextlib.contextmanager
+def language(lang: str | None) -> Iterator[None]:
+    """Messages in `lang` inside the block (None: leave the current one)."""
+    if lang is not None and lang not in LANGUAGES:
+        raise ValueError(f"unknown language {lang!r}; the course ships {', '.join(LANGUAGES)}")
+    token = _active.set(lang or _active.get())
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def language_of(notebook: Path) -> str | None:
+    """The edition a notebook belongs to (its metadata's `course_lib.lang`), or None."""
+    try:
+        meta = json.loads(Path(notebook).read_text(encoding="utf-8"))["metadata"]
+        lang = meta.get("course_lib", {}).get("lang")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return lang if lang in LANGUAGES else None
+
+
+def catalogue(path: Path) -> dict[str, str]:
+    """{English: translation} of a .po file's translated, non-fuzzy entries ({} if absent)."""
+    import polib
+
+    try:
+        stamp = path.stat().st_mtime
+    except OSError:
+        return {}
+    if path not in _loaded or _loaded[path][0] != stamp:
+        entries = polib.pofile(str(path))
+        _loaded[path] = (stamp, {e.msgid: e.msgstr for e in entries
+                                 if e.msgstr and "fuzzy" not in e.flags and not e.obsolete})
+    return _loaded[path][1]
+
+
+def package_po(lang: str) -> Path:
+    return PACKAGE_DIR / "locale" / lang / "course_lib.po"
+
+
+def _(message: str, /, **fields: object) -> str:
+    """`message` in the current language, its `{fields}` filled in."""
+    lang = current()
+    if lang != "en" and message:
+        message = catalogue(package_po(lang)).get(message, message)
+    return message.format(**fields) if fields else message
+
+
+def fields_of(text: str) -> set[str]:
+    """The `{names}` a message fills in: a translation must keep exactly these."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    except ValueError:
+        return set()
+
+
+# -- extracting the package's messages ------------------------------------------------------
+
+
+def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
+    """{message: [where, ...]} of every `_("...")` call and `hint="..."` keyword in the package."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            texts = []
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "_" and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                texts.append(node.args[0].value)
+            if isinstance(node, ast.keyword) and node.arg == "hint" and \
+                    isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                texts.append(node.value.value)
+            for text in texts:
+                where = f"{path.relative_to(root.parent).as_posix()}:{node.lineno}" \
+                    if hasattr(node, "lineno") else path.relative_to(root.parent).as_posix()
+                found.setdefault(text, []).append(where)
+    return found
+
+
+def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
+    """Bring a catalogue up to the messages found, as msgmerge would: new ones untranslated,
+    vanished ones obsolete. Returns what changed, one line each."""
+    import polib
+
+    po = polib.pofile(str(po_path)) if po_path.exists() else polib.POFile()
+    po.metadata = po.metadata or {"Content-Type": "text/plain; charset=UTF-8",
+                                  "Language": po_path.parent.name}
+    known = {e.msgid: e for e in po}
+    changed = []
+    for text, where in messages.items():
+        entry = known.get(text)
+        if entry is None:
+            entry = polib.POEntry(msgid=text, msgstr="")
+            po.append(entry)
+            changed.append(f"new: {text[:60]}")
+        entry.obsolete = False
+        entry.occurrences = [(w.rsplit(":", 1)[0], w.rsplit(":", 1)[1]) for w in where]
+    for entry in po:
+        if entry.msgid not in messages and not entry.obsolete:
+            entry.obsolete = True
+            changed.append(f"obsolete: {entry.msgid[:60]}")
+    po_path.parent.mkdir(parents=True, exist_ok=True)
+    po.save(str(po_path))
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m course_lib.i18n extract`: update every package catalogue from the code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["extract"]:
+        print(__doc__)
+        return 2
+    messages = extract()
+    for lang in LANGUAGES[1:]:
+        for line in merge(package_po(lang), messages):
+            print(f"{lang}: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The Spanish edition: catalogues replace text and never code, and stale entries are named."""
+
+import io
+import shutil
+import tokenize
+from pathlib import Path
+
+import nbformat
+import polib
+import pytest
+
+from course_lib import build, translate
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).parent / "fixtures" / "lesson_src" / "solutions" / "90_fixture.ipynb"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A throwaway repository holding the fixture lesson and its Spanish catalogue."""
+    for sub in ("notebooks", "course_lib"):
+        (tmp_path / sub).mkdir()
+    shutil.copytree(FIXTURE.parent, tmp_path / "solutions")
+    build.build(tmp_path)
+    return tmp_path
+
+
+def code_tokens(source: str) -> list[tuple[int, str]]:
+    """The cell's code as tokens, comments left out and the text of print("...") blanked:
+    what a translation may change."""
+    out: list[tuple[int, str]] = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        printed = (tok.type == tokenize.STRING and len(out) >= 2
+                   and out[-2] == (tokenize.NAME, "print") and out[-1] == (tokenize.OP, "("))
+        out.append((tok.type, "<printed>" if printed else tok.string))
+    return out
+
+
+def assert_same_code(english: nbformat.NotebookNode, other: nbformat.NotebookNode) -> None:
+    assert [(c.cell_type, c.get("id")) for c in other.cells] == \
+           [(c.cell_type, c.get("id")) for c in english.cells]
+    for en, es in zip(english.cells, other.cells):
+        if en.cell_type == "code":
+            assert code_tokens(es.source) == code_tokens(en.source), en.get("id")
+
+
+def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
+    source = ('# Two lines of\n# one paragraph\nx = 1  # after code\n'
+              'def f():\n    # inside\n    return "# not a comment"\nprint("Results")\n'
+              '#| export\n# NBVAL_IGNORE_OUTPUT\n')
+    cell = nbformat.v4.new_code_cell(source, id="c1")
+    found = {p.text: p.kind for p in translate.pieces(cell)}
+    assert found == {"Two lines of\none paragraph": "comment", "after code": "comment",
+                     "inside": "comment", "Results": "printed"}
+    po = polib.POFile()
+    for english, spanish in [("Two lines of\none paragraph", "Dos líneas de\nun párrafo"),
+                             ("after code", "tras el código"), ("inside", "dentro"),
+                             ("Results", 'Resultados "finales"')]:
+        po.append(polib.POEntry(msgctxt="c1", msgid=english, msgstr=spanish))
+    po.save(str(tmp_path / "x.po"))
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    out = translate.translated(nb, tmp_path / "x.po", "es")
+    assert out.cells[0].source == (
+        '# Dos líneas de\n# un párrafo\nx = 1  # tras el código\n'
+        'def f():\n    # dentro\n    return "# not a comment"\nprint("Resultados \\"finales\\"")\n'
+        '#| export\n# NBVAL_IGNORE_OUTPUT\n')
+    assert out.metadata["course_lib"]["lang"] == "es"
+    assert_same_code(nb, out)
+
+
+def test_solution_regions_are_not_translated():
+    cell = nbformat.v4.new_code_cell(
+        "def f(x):\n    # given\n    ### BEGIN SOLUTION\n    # the answer's comment\n"
+        "    return x\n    ### END SOLUTION", id="c")
+    assert [p.text for p in translate.pieces(cell)] == ["given"]
+
+
+def test_the_fixture_edition_is_spanish_with_the_same_code(repo: Path):
+    es = nbformat.read(repo / "notebooks" / "es" / "90_fixture.ipynb", as_version=4)
+    en = nbformat.read(repo / "notebooks" / "90_fixture.ipynb", as_version=4)
+    assert es.cells[0].source.startswith("# Lección de prueba")
+    assert "print('bien')" in es.cells[3].source
+    assert es.metadata["course_lib"]["lang"] == "es"
+    assert_same_code(en, es)
+    assert build.stale(repo) == []
+
+
+def test_changed_english_fails_the_check_until_the_entry_is_reviewed(repo: Path):
+    src = repo / "solutions" / "90_fixture.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    nb.cells[0].source = "# Fixture lesson\nUsed by the build tests only."
+    nbformat.write(nb, src)
+    build.build(repo)
+    assert any("90_fixture.ipynb, cell 0 (id cell-0, markdown): the English changed and its "
+               "entry is missing" in line for line in build.stale(repo))
+
+    changes = translate.update(src, "es")  # msgmerge: the old translation comes back fuzzy
+    assert changes == ["fuzzy: cell 0: '# Fixture lesson\\nUsed by the build tests only.'",
+                       "obsolete: cell cell-0: '# Fixture lesson\\nUsed by tests/test_build.py only.'"]
+    po = polib.pofile(str(repo / "solutions" / "es" / "90_fixture.po"))
+    entry = next(e for e in po if e.msgctxt == "cell-0" and not e.obsolete)
+    assert "fuzzy" in entry.flags and entry.msgstr.startswith("# Lección de prueba")
+    assert entry.previous_msgid == "# Fixture lesson\nUsed by tests/test_build.py only."
+    assert any("cell 0 (id cell-0, markdown): the English changed and its entry is fuzzy"
+               in line for line in build.stale(repo))
+
+    entry.msgstr, entry.flags = "# Lección de prueba\nSolo la usan las pruebas del build.", []
+    po.save()
+    build.build(repo)
+    assert build.stale(repo) == []
+
+
+def test_a_translation_that_drops_a_solution_marker_is_named(repo: Path):
+    path = repo / "solutions" / "es" / "90_fixture.po"
+    po = polib.pofile(str(path))
+    entry = next(e for e in po if "### BEGIN SOLUTION" in e.msgid)
+    entry.msgstr = "¿Por qué?"
+    po.save()
+    assert any("must keep the ### BEGIN/END lines" in line for line in build.stale(repo))
+
+
+def test_a_lesson_without_a_catalogue_is_named(repo: Path):
+    (repo / "solutions" / "es" / "90_fixture.po").unlink()
+    assert any("90_fixture.ipynb has no catalogue" in line for line in build.stale(repo))
+
+
+def test_every_spanish_notebook_has_the_english_code():
+    for es_path in sorted((ROOT / "notebooks" / "es").glob("*.ipynb")):
+        en = nbformat.read(ROOT / "notebooks" / es_path.name, as_version=4)
+        es = nbformat.read(es_path, as_version=4)
+        assert es.metadata["course_lib"]["lang"] == "es"
+        assert_same_code(en, es)
