@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 
 import psutil
 
+from course_lib.i18n import _
+
 Recorded = tuple[int, float]  # (pid, create_time): picklable, and safe against PID reuse
 
 
@@ -26,8 +28,9 @@ class RankError(RuntimeError):
     def __init__(self, what: str, failures: dict[int, str], note: str = ""):
         self.failures = dict(sorted(failures.items()))
         self.note = note
-        lines = [f"{what}: {len(self.failures)} rank(s) failed"]
-        lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
+        lines = [_("{what}: {n} rank(s) failed", what=what, n=len(self.failures))]
+        lines += ["  " + _("rank {rank}: {message}", rank=r, message=msg)
+                  for r, msg in self.failures.items()]
         if note:
             lines.append(note)
         super().__init__("\n".join(lines))

@@ -23,6 +23,7 @@ from course_lib import backend as backends
 from course_lib.cluster import engine
 from course_lib.cluster.errors import ClusterError, EngineDied, RankError, RankTimeout
 from course_lib.processes import ProcessSet, running
+from course_lib.i18n import _
 
 POLL_SECONDS = 0.05
 INTERRUPT_GRACE = 3.0  # seconds a rank gets to unwind after SIGINT before its engines restart
@@ -316,11 +317,11 @@ class Cluster:
 
     def _check_usable(self) -> None:
         if self._stopped:
-            raise ClusterError("this cluster is stopped; start a new one with "
-                               "course_lib.cluster.start() or call .restart()")
+            raise ClusterError(_("this cluster is stopped; start a new one with "
+                                 "course_lib.cluster.start() or call .restart()"))
         if self._dead:
-            raise EngineDied("cluster unusable", self._dead,
-                             "call .restart() to start fresh engines with the same ranks")
+            raise EngineDied(_("cluster unusable"), self._dead,
+                             _("call .restart() to start fresh engines with the same ranks"))
 
     def _gather(self, futures: list, what: str, limit: float) -> list[Any]:
         """Wait for one future per rank within `limit` seconds; raise naming failing ranks."""
@@ -333,13 +334,13 @@ class Cluster:
         if dead:
             self._dead.update(dead)
             self._interrupt([r for r, f in enumerate(futures) if not f.ready()], futures)
-            raise EngineDied(what, dead, "call .restart() to start fresh engines with the "
-                             "same ranks")
+            raise EngineDied(what, dead, _("call .restart() to start fresh engines with the "
+                                           "same ranks"))
         stuck = [r for r, f in enumerate(futures) if not f.ready()]
         if stuck:
             note = self._interrupt(stuck, futures)
-            raise RankTimeout(what, {r: f"still running after {limit:g}s (a hang or deadlock?)"
-                                     for r in stuck}, note)
+            late = _("still running after {limit}s (a hang or deadlock?)", limit=f"{limit:g}")
+            raise RankTimeout(what, dict.fromkeys(stuck, late), note)
         failures = {r: _describe(f.exception()) for r, f in enumerate(futures)
                     if f.exception() is not None}
         if failures:
@@ -360,16 +361,16 @@ class Cluster:
         while time.monotonic() < deadline and not all(futures[r].ready() for r in live):
             time.sleep(POLL_SECONDS)
         if self._dead:
-            return "the surviving ranks were interrupted"
+            return _("the surviving ranks were interrupted")
         if all(futures[r].ready() for r in live):
             if self.backend in ("scratch", "gloo"):
                 self._reset_process_group()
-                return ("the stuck ranks were interrupted and the process group rebuilt; "
-                        "the cluster is ready")
-            return "the stuck ranks were interrupted; the cluster is ready"
+                return _("the stuck ranks were interrupted and the process group rebuilt; "
+                         "the cluster is ready")
+            return _("the stuck ranks were interrupted; the cluster is ready")
         self.restart()
-        return ("interrupting did not stop them, so the engines were restarted "
-                "(engine-side state is lost) and the process group rebuilt")
+        return _("interrupting did not stop them, so the engines were restarted "
+                 "(engine-side state is lost) and the process group rebuilt")
 
     def _reset_process_group(self) -> None:
         """Rebuild the process group: an interrupted collective leaves messages in flight."""

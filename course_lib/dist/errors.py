@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib.i18n import _
+
 
 class DistError(RuntimeError):
     """A distributed operation failed: a dead or misbehaving peer, a mismatch, a closed group.
@@ -31,4 +33,7 @@ def describe(rank: int, name: str, direction: str, peer_rank: int, reason: str) 
     """
     if name in ("send", "isend", "recv", "irecv"):
         direction = direction.split()[-1]
-    return f"rank {rank}: {name} {direction} rank {peer_rank} failed: {reason}"
+    direction = {"recv from": _("recv from"), "send to": _("send to"),
+                 "from": _("from"), "to": _("to")}.get(direction, direction)
+    return _("rank {rank}: {name} {direction} rank {peer} failed: {reason}", rank=rank, name=name,
+             direction=direction, peer=peer_rank, reason=reason)

@@ -22,6 +22,7 @@ from course_lib.dist.matching import DONE, FILLING, POSTED, RecvRequest, TagMatc
 from course_lib.dist.wire import (ABORT_TAG, FLAG_SHM, HEADER, PeerClosed, WireTimeout,
                                   byte_view, decode_header, flags_of)
 from course_lib.dist.work import What
+from course_lib.i18n import _
 
 if TYPE_CHECKING:
     from course_lib.dist.peer import Peer
@@ -131,8 +132,8 @@ class Receiver:
 
     def _expire(self, req: RecvRequest) -> None:
         self.matcher.withdraw(req)
-        req.complete(self.peer.error(req.what.name, "recv from", "timed out after "
-                                     f"{time.monotonic() - req.started:.1f}s", timeout=True))
+        late = _("timed out after {seconds}s", seconds=f"{time.monotonic() - req.started:.1f}")
+        req.complete(self.peer.error(req.what.name, "recv from", late, timeout=True))
 
     def _read_one(self, req: RecvRequest, deadline: float) -> None:
         """Read one frame and hand it to its receive (or keep it); a broken stream is fatal."""

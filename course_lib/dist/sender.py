@@ -19,6 +19,7 @@ import torch
 from course_lib.dist import ring, shm
 from course_lib.dist.wire import ABORT_TAG, WireTimeout, byte_view, encode_header
 from course_lib.dist.work import What, Work
+from course_lib.i18n import _
 
 if TYPE_CHECKING:
     from course_lib.dist.peer import Peer
@@ -95,8 +96,8 @@ class Sender:
                 item.parts = self.stream.try_send(item.parts)
         except WireTimeout:
             # Part of a frame may be out: the stream is no longer in step, so the link is dead.
-            reason = (f"timed out after {time.monotonic() - work.started:.1f}s "
-                      "(the peer is not receiving)")
+            reason = _("timed out after {seconds}s (the peer is not receiving)",
+                       seconds=f"{time.monotonic() - work.started:.1f}")
             self.peer.fatal(name, "send to", reason)
             item.parts = []
             work.finish(self.peer.error(name, "send to", reason, timeout=True))

@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from course_lib.dist.errors import DistTimeoutError, describe
+from course_lib.i18n import _
 
 # Taken last, for an instant, by whoever finishes or waits on a Work: it never nests the
 # other way around, so it cannot take part in a deadlock (see the lock order in peer.py).
@@ -80,9 +81,10 @@ class Work:
 
     def timeout_error(self) -> DistTimeoutError:
         rank, name, direction, peer_rank = self.what
-        reason = f"timed out after {time.monotonic() - self.started:.1f}s"
+        reason = _("timed out after {seconds}s", seconds=f"{time.monotonic() - self.started:.1f}")
         message = (describe(rank, name, direction, peer_rank, reason) if peer_rank is not None
-                   else f"rank {rank}: {name} failed: {reason}")
+                   else _("rank {rank}: {name} failed: {reason}", rank=rank, name=name,
+                          reason=reason))
         return DistTimeoutError(message, rank=rank, peer_rank=peer_rank, operation=name)
 
     def is_completed(self) -> bool:

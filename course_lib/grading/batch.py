@@ -34,6 +34,7 @@ from nbclient.util import run_sync
 from course_lib.grading import containment, judge, plain, rebuild
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
+from course_lib.i18n import _
 from course_lib.overlay import HOME_ENV, USE_ENV
 from course_lib.processes import ProcessSet
 
@@ -205,13 +206,13 @@ def _read(sub: Submission, lesson: str | None) -> tuple:
     try:
         nb, error = nbformat.read(sub.path, as_version=4), ""
     except Exception as exc:  # noqa: BLE001 - bad JSON, bad schema, unreadable file
-        nb, error = None, f"not a valid notebook: {type(exc).__name__}: {exc}"
+        nb, error = None, _("not a valid notebook: {error}", error=f"{type(exc).__name__}: {exc}")
     name = lesson_of(sub.path, nb, lesson)
     exercises = exercises_for(name) if name else []
     if not exercises and not error:
-        error = (f"no exercises registered for lesson {name!r}" if name else
-                 "cannot tell which lesson this is: name the file after it "
-                 "(e.g. 00_cluster.ipynb) or pass --lesson")
+        error = (_("no exercises registered for lesson {lesson}", lesson=repr(name)) if name else
+                 _("cannot tell which lesson this is: name the file after it "
+                   "(e.g. 00_cluster.ipynb) or pass --lesson"))
     return nb, name, exercises, error
 
 
@@ -223,13 +224,13 @@ def _run_notebook(session: KernelSession, cells: list, timeout: float) -> tuple[
         left = deadline - time.monotonic()
         status = session.run(cell, i, left) if left > 0 else "timeout"
         if status == "dead":
-            return "", (f"the kernel died while running code cell {i + 1} "
-                        "(a crash or exit in the notebook)")
+            return "", _("the kernel died while running code cell {cell} (a crash or exit in "
+                         "the notebook)", cell=i + 1)
         if status == "timeout":
-            note = (f"the notebook ran past its {timeout:g}s limit at code cell {i + 1}; "
-                    "the cells after it were not run. ")
+            note = _("the notebook ran past its {limit}s limit at code cell {cell}; the cells "
+                     "after it were not run. ", limit=f"{timeout:g}", cell=i + 1)
             if not session.recover():
-                return "", note + "The kernel did not respond afterwards."
+                return "", note + _("The kernel did not respond afterwards.")
             return note, ""
     return "", ""
 
@@ -241,7 +242,8 @@ def _judged(ex: Exercise, path: Path, limit: float) -> tuple[float, str]:
             raise judge.Malformed(f"over {plain.MAX_BYTES} bytes")
         refused, outcomes = judge.validated(ex, json.loads(path.read_bytes()))
     except (ValueError, RecursionError) as exc:  # judge.Malformed is a ValueError
-        return 0.0, f"the kernel's results for {ex.name} are not valid: {str(exc)[:200]}"
+        return 0.0, _("the kernel's results for {name} are not valid: {error}", name=ex.name,
+                      error=str(exc)[:200])
     result = judge.zero(ex, refused) if refused else judge.judge(ex, outcomes, limit)
     return result.points, result.reason
 
@@ -252,7 +254,7 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
     graded, hung = [], ""
     for ex in exercises:
         if hung:
-            graded.append((ex, 0.0, f"not graded: {hung}"))
+            graded.append((ex, 0.0, _("not graded: {why}", why=hung)))
             continue
         out = work / f"{secrets.token_hex(16)}.json"  # unknown to the notebook until now
         call_limit = exercise_timeout or ex.time_limit
@@ -263,13 +265,14 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
             graded.append((ex, *_judged(ex, out, float(call_limit))))
             continue
         if status == "ok":
-            reason = f"grader error: {_cell_error(cell)}"
+            reason = _("grader error: {error}", error=_cell_error(cell))
         elif status == "dead":
-            reason = hung = f"the kernel died while checking {ex.name}"
+            reason = hung = _("the kernel died while checking {name}", name=ex.name)
         else:
-            reason = f"timed out: checking {ex.name} took over {limit:g}s and was cut off"
+            reason = _("timed out: checking {name} took over {limit}s and was cut off",
+                       name=ex.name, limit=f"{limit:g}")
             if not session.recover():
-                hung = f"the kernel hung in {ex.name} and was killed"
+                hung = _("the kernel hung in {name} and was killed", name=ex.name)
         graded.append((ex, 0.0, reason))
     if not hung and any(e.distributed for e in exercises):
         session.run_code("from course_lib.grading.kernel import stop_clusters\n"
@@ -294,7 +297,7 @@ def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str 
         try:
             nb, changed = rebuild.rebuild(nb, rebuild.template(source, name))
         except (OSError, ValueError) as exc:  # NoSource, a source that breaks the build rules
-            error = f"grader error: {exc}"
+            error = _("grader error: {error}", error=exc)
     if error:
         return rows([(ex, 0.0, error) for ex in exercises])
     nb.cells = [c for c in nb.cells if c.cell_type == "code"]
@@ -311,7 +314,7 @@ def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str 
         return rows([(ex, points, changed + note + reason) for ex, points, reason
                      in _run_checks(session, exercises, work, limits.exercise_timeout)])
     except Exception as exc:  # noqa: BLE001 - e.g. the kernel would not start; grading goes on
-        return rows([(ex, 0.0, f"grader error: {type(exc).__name__}: {exc}")
+        return rows([(ex, 0.0, _("grader error: {error}", error=f"{type(exc).__name__}: {exc}"))
                      for ex in exercises])
     finally:
         session.close()

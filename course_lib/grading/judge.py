@@ -16,6 +16,7 @@ from course_lib.grading import plain
 from course_lib.grading.catalogue import Case, Exercise, substitute
 from course_lib.grading.compare import WRONG_VALUE, mismatch, show
 from course_lib.grading.report import CaseResult, Outcome, Result, Row
+from course_lib.i18n import _
 
 RELEASED_EXPECTED = Path(__file__).with_name("expected.json")  # written by course.py release
 MAX_TEXT = 500  # characters of any message that comes back from a kernel
@@ -41,9 +42,9 @@ def released_expected(ex: Exercise, c: Case, rank: int | None, world: int | None
     entry = _released.get(ex.name)
     index = next(i for i, x in enumerate(ex.cases) if x is c)
     if entry is None or entry["world"] != world or index >= len(entry["cases"]):
-        raise ReferenceMissing(f"{ex.name}'s expected values need a reference that this "
-                               "student release does not ship; check it in the instructor's "
-                               "repository")
+        raise ReferenceMissing(_("{name}'s expected values need a reference that this student "
+                                 "release does not ship; check it in the instructor's "
+                                 "repository", name=ex.name))
     return entry["cases"][index][rank]
 
 
@@ -79,22 +80,25 @@ def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float) ->
     shown = show(want)
     status = Outcome(out["status"])
     if status is Outcome.RETURNED and "unplain" in out:
-        return Row(rank, False, shown, out["unplain"], "not a value the check can compare "
-                   "(numbers, strings, lists, tuples, dicts and tensors are)")
+        return Row(rank, False, shown, out["unplain"], _(
+            "not a value the check can compare (numbers, strings, lists, tuples, dicts and "
+            "tensors are)"))
     if status is Outcome.RETURNED:
         diff = mismatch(out["value"], want, ex.rtol, ex.atol)
-        return Row(rank, diff is None, shown, show(out["value"]), diff or "")
+        note = _(WRONG_VALUE) if diff == WRONG_VALUE else diff
+        return Row(rank, diff is None, shown, show(out["value"]), note or "")
     if status is Outcome.NOT_IMPLEMENTED:
-        return Row(rank, False, shown, "NotImplementedError", "not implemented yet", status)
+        return Row(rank, False, shown, "NotImplementedError", _("not implemented yet"), status)
     if status is Outcome.TIMEOUT:
-        note = f"timed out after {limit:g}s (endless loop or deadlock?)"
+        note = _("timed out after {limit}s (endless loop or deadlock?)", limit=f"{limit:g}")
         if out.get("stopped") is False:
-            note += "; it is still running in the background: restart the kernel if slow"
-        return Row(rank, False, shown, "no result", note, status)
+            note += _("; it is still running in the background: restart the kernel if slow")
+        return Row(rank, False, shown, _("no result"), note, status)
     if status is Outcome.LOST:
-        return Row(rank, False, shown, "no result", out["note"], status)
+        return Row(rank, False, shown, _("no result"), out["note"], status)
     where = f" ({out['where']})" if out.get("where") else ""
-    return Row(rank, False, shown, out["error"], f"raised {out['error']}{where}", status)
+    return Row(rank, False, shown, out["error"], _("raised {error}", error=out["error"]) + where,
+               status)
 
 
 def _rows(ex: Exercise, c: Case, outs: list[dict], limit: float) -> list[Row]:
@@ -110,8 +114,8 @@ def _rows(ex: Exercise, c: Case, outs: list[dict], limit: float) -> list[Row]:
                                              "value": ex.total([o["value"] for o in outs])},
                                      ex.total(want), ex, limit))
         else:
-            rows.append(Row("all", False, show(ex.total(want)), "no result",
-                            "some ranks gave no value", Outcome.LOST))
+            rows.append(Row("all", False, show(ex.total(want)), _("no result"),
+                            _("some ranks gave no value"), Outcome.LOST))
     return rows
 
 
@@ -121,15 +125,16 @@ def _summary(ex: Exercise, cases: list[CaseResult], stopped: str) -> tuple[float
     if stopped:
         return points, stopped
     if not failed:
-        return points, f"all {len(cases)} cases passed"
+        return points, _("all {n} cases passed", n=len(cases))
     first = failed[0]
     row = next(r for r in first.rows if not r.passed)
-    rank = "" if row.rank is None else ("all ranks: " if row.rank == "all" else
-                                        f"rank {row.rank}: ")
+    rank = "" if row.rank is None else (_("all ranks: ") if row.rank == "all" else
+                                        _("rank {rank}: ", rank=row.rank))
     what = row.note
-    if what == WRONG_VALUE:
-        what = f"expected {row.expected}, got {row.got}"
-    return points, f"{len(failed)} of {len(cases)} cases failed; first: {first.label}: {rank}{what}"
+    if what == _(WRONG_VALUE):
+        what = _("expected {expected}, got {got}", expected=row.expected, got=row.got)
+    return points, _("{failed} of {n} cases failed; first: {label}: {rank}{what}",
+                     failed=len(failed), n=len(cases), label=first.label, rank=rank, what=what)
 
 
 def zero(ex: Exercise, reason: str, cases: list | None = None) -> Result:
@@ -144,7 +149,8 @@ def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
     for i, c in enumerate(ex.cases):
         label = c.describe(ex.function)
         if stopped or i >= len(collected):
-            cases.append(CaseResult(label, [Row(None, False, "", "", "not run", Outcome.NOT_RUN)]))
+            cases.append(CaseResult(label, [Row(None, False, "", "", _("not run"),
+                                                Outcome.NOT_RUN)]))
             continue
         try:
             rows = _rows(ex, c, collected[i]["outs"], limit)
@@ -154,14 +160,15 @@ def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
         cases.append(CaseResult(label, rows))
         outcomes = {r.outcome for r in rows}
         if Outcome.NOT_IMPLEMENTED in outcomes:
-            return zero(ex, f"not implemented yet: {ex.function} raises NotImplementedError",
-                        cases)
+            return zero(ex, _("not implemented yet: {function} raises NotImplementedError",
+                              function=ex.function), cases)
         if Outcome.TIMEOUT in outcomes:
             where = [str(r.rank) for r in rows
                      if r.rank is not None and r.outcome is Outcome.TIMEOUT]
-            ranks = f" on rank(s) {', '.join(where)}" if where else ""
-            stopped = (f"timed out: {label} did not finish within {limit:g}s{ranks} "
-                       f"(an endless loop or a deadlock?){'; ' + halt if halt else ''}")
+            ranks = _(" on rank(s) {ranks}", ranks=", ".join(where)) if where else ""
+            stopped = _("timed out: {label} did not finish within {limit}s{ranks} (an endless "
+                        "loop or a deadlock?)", label=label, limit=f"{limit:g}", ranks=ranks)
+            stopped += "; " + halt if halt else ""
         elif halt:
             stopped = halt
     points, reason = _summary(ex, cases, stopped)

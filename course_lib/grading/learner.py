@@ -23,6 +23,7 @@ from course_lib.grading import judge
 from course_lib.grading.catalogue import (Case, CheckTimeout, Exercise, get_exercise,
                                          substitute)
 from course_lib.grading.report import Outcome, Result
+from course_lib.i18n import _, language, language_of
 
 GRADING_ENV = "COURSE_LIB_GRADING"  # set by course-grade: check cells then do nothing
 _NOT_LEARNER = tuple(str(Path(p).resolve()) for p in
@@ -98,7 +99,8 @@ def signature_problem(ex: Exercise, fn: Callable) -> str | None:
     try:
         sig.bind(*ex.params)
     except TypeError:
-        return f"wrong signature: expected {ex.signature()}, got {fn.__name__}{sig}"
+        return _("wrong signature: expected {expected}, got {got}", expected=ex.signature(),
+                 got=f"{fn.__name__}{sig}")
     return None
 
 
@@ -117,21 +119,21 @@ def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: f
         outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
     except RankTimeout as exc:
         outs = [{"status": Outcome.TIMEOUT} if r in exc.failures else
-                {"status": Outcome.LOST, "note": "finished, but other ranks hung"}
+                {"status": Outcome.LOST, "note": _("finished, but other ranks hung")}
                 for r in range(world)]
         halt = getattr(exc, "note", "")
     except RankError as exc:  # the call never ran or its result could not come back
         outs = [{"status": Outcome.LOST,
-                 "note": exc.failures.get(r, "no result: another rank failed")}
+                 "note": exc.failures.get(r, _("no result: another rank failed"))}
                 for r in range(world)]
         # ipyparallel may report an engine that exited mid-task as a plain EngineError
         if isinstance(exc, EngineDied) or any("EngineError" in m for m in exc.failures.values()):
-            halt = (f"an engine died during {c.describe(ex.function)} (did the function exit "
-                    "the process?); call .restart() on the cluster")
+            halt = _("an engine died during {case} (did the function exit the process?); call "
+                     ".restart() on the cluster", case=c.describe(ex.function))
     except ClusterError:  # a stopped or broken cluster: not the learner's function's fault
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. the function cannot be sent to the engines
-        note = f"could not send it to the engines: {type(exc).__name__}: {exc}"
+        note = _("could not send it to the engines: {error}", error=f"{type(exc).__name__}: {exc}")
         outs = [{"status": Outcome.LOST, "note": note}] * world
     return {"outs": outs, "halt": halt}
 
@@ -139,9 +141,10 @@ def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: f
 def refusal(ex: Exercise, fn: Any) -> str | None:
     """Why `fn` cannot be checked at all (undefined, not a function, wrong signature), or None."""
     if fn is None:
-        return f"{ex.function} is not defined: run the cell that defines it"
+        return _("{function} is not defined: run the cell that defines it", function=ex.function)
     if not callable(fn):
-        return f"{ex.function} should be a function, got {type(fn).__name__}"
+        return _("{function} should be a function, got {type}", function=ex.function,
+                 type=type(fn).__name__)
     return signature_problem(ex, fn)
 
 
@@ -149,8 +152,9 @@ def collect(ex: Exercise, fn: Callable, cluster: Any, limit: float) -> list[dict
     """Call `fn` on the exercise's cases, one outcome per call (per rank), stopping where
     grading stops (not implemented, a timeout, an engine lost); `judge.judge` grades them."""
     if ex.distributed and cluster is None:
-        raise ValueError(f"{ex.name} runs on the cluster: check({ex.name!r}, {ex.function}, "
-                         f"cluster=c) with c = course_lib.cluster.start(...)")
+        raise ValueError(_("{name} runs on the cluster: {call} with c = "
+                           "course_lib.cluster.start(...)", name=ex.name,
+                           call=f"check({ex.name!r}, {ex.function}, cluster=c)"))
     found = []
     for c in ex.cases:
         found.append(_collect_cluster(ex, c, fn, cluster, limit) if ex.distributed
@@ -181,7 +185,7 @@ def _export_before_check(ex: Exercise, fn: Any, notebook: Path, cluster: Any) ->
     try:
         written = overlay.export(ex.notebook, notebook)
     except (BuildError, SyntaxError) as exc:
-        return [f"Your lesson could not be exported into your course_lib: {exc}"]
+        return [_("Your lesson could not be exported into your course_lib: {error}", error=exc)]
     overlay.refresh([cluster] if cluster is not None else [])
     try:
         mine = inspect.getsource(fn).strip()
@@ -189,8 +193,9 @@ def _export_before_check(ex: Exercise, fn: Any, notebook: Path, cluster: Any) ->
         return []
     if not any(mine in p.read_text(encoding="utf-8") for p in written) and any(
             f"def {ex.function}(" in p.read_text(encoding="utf-8") for p in written):
-        return [f"{notebook.name} as saved differs from the {ex.function} you ran: save the "
-                "notebook (Ctrl+S) and check again, so that your course_lib gets this version"]
+        return [_("{notebook} as saved differs from the {function} you ran: save the notebook "
+                  "(Ctrl+S) and check again, so that your course_lib gets this version",
+                  notebook=notebook.name, function=ex.function)]
     return []
 
 
@@ -212,10 +217,11 @@ def _blame_earlier_lessons(ex: Exercise, fn: Any, cluster: Any, limit: float | N
             again = grade_function(ex, fn, cluster, time_limit=limit)
         if again.passed:
             lesson = overlay.lesson_of(module).split("_")[0]
-            return replace(result, reason=(
-                f"{result.reason}. It passes with the reference course_lib.{module} in place "
-                f"of yours: the cause is your lesson {lesson} (fix it there, or "
-                f"course_lib.use({module.rsplit('.', 1)[-1]}='reference'))"))
+            return replace(result, reason=_(
+                "{reason}. It passes with the reference course_lib.{module} in place of yours: "
+                "the cause is your lesson {lesson} (fix it there, or {use})", reason=result.reason,
+                module=module, lesson=lesson,
+                use=f"course_lib.use({module.rsplit('.', 1)[-1]}='reference')"))
     return result
 
 
@@ -225,7 +231,8 @@ def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | No
     then runs it) and the outcome recorded, which decides whether later lessons use it.
     Under nbgrader's autograder a check that does not pass raises, so its grade cell scores 0."""
     if os.environ.get(GRADING_ENV):
-        print(f"check({exercise!r}) skipped: the grader runs its own checks")
+        print(_("check({exercise}) skipped: the grader runs its own checks",
+                exercise=repr(exercise)))
         return
     from course_lib import overlay
 
@@ -237,12 +244,18 @@ def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | No
         print(result)
         return
     notebook = overlay.find_notebook(ex.notebook)
-    notes = _export_before_check(ex, fn, notebook, cluster) if notebook else []
-    result = grade_function(ex, fn, cluster, time_limit=time_limit)
-    if notebook:
-        overlay.record(ex.name, result.passed)
-        if not result.passed:
-            result = _blame_earlier_lessons(ex, fn, cluster, time_limit, result)
+    with language(language_of(notebook) if notebook else None):  # the edition's language
+        notes = _export_before_check(ex, fn, notebook, cluster) if notebook else []
+        result = grade_function(ex, fn, cluster, time_limit=time_limit)
+        if notebook:
+            overlay.record(ex.name, result.passed)
+            if not result.passed:
+                result = _blame_earlier_lessons(ex, fn, cluster, time_limit, result)
+        _show(result, notes)
+
+
+def _show(result: Result, notes: list[str]) -> None:
+    """The table under the check cell (HTML in JupyterLab), then any notes."""
     try:
         from IPython import get_ipython
         from IPython.display import display

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from course_lib.grading.cells import grade_id, is_solution, with_nbgrader
+from course_lib.i18n import _
 
 if TYPE_CHECKING:
     import nbformat
@@ -68,13 +69,13 @@ def rebuild(submitted: nbformat.NotebookNode,
     added = sum(1 for c in submitted.cells if c.cell_type == "code" and id(c) not in used)
     notes = []
     if missing:
-        notes.append(f"answer cell(s) {_numbers(missing)} missing: their stubs ran")
+        notes.append(_("answer cell(s) {cells} missing: their stubs ran", cells=_numbers(missing)))
     if edited or deleted:
-        notes.append("given code cell(s) " + _numbers(sorted(edited + deleted))
-                     + " edited or deleted in the submission: the original ran")
+        notes.append(_("given code cell(s) {cells} edited or deleted in the submission: the "
+                       "original ran", cells=_numbers(sorted(edited + deleted))))
     if added:
-        notes.append(f"{added} code cell(s) added to the notebook were not run (only "
-                     "answer cells count)")
+        notes.append(_("{n} code cell(s) added to the notebook were not run (only answer "
+                       "cells count)", n=added))
     out = copy.deepcopy(release)
     out.cells = cells
     return out, ("; ".join(notes) + ". ") if notes else ""

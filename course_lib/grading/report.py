@@ -6,6 +6,8 @@ import enum
 import html
 from dataclasses import asdict, dataclass, field
 
+from course_lib.i18n import _
+
 _WIDTH = 60  # longest cell in the plain-text table
 
 
@@ -81,23 +83,24 @@ class Result:
         rows = [r for c in self.cases for r in c.rows]
         ranked = any(r.rank is not None for r in rows)
         noted = any(r.note for r in rows)
-        head = (["case"] + (["rank"] if ranked else []) + ["result", "expected", "got"]
-                + (["note"] if noted else []))
+        head = ([_("case")] + ([_("rank")] if ranked else [])
+                + [_("result"), _("expected"), _("got")] + ([_("note")] if noted else []))
         body, ok = [], []
         for c in self.cases:
             for i, r in enumerate(c.rows):
                 rank = [] if not ranked else ["" if r.rank is None else str(r.rank)]
                 note = [r.note] if noted else []
                 body.append([c.label if i == 0 else ""] + rank +
-                            ["pass" if r.passed else "FAIL", r.expected, r.got] + note)
+                            [_("pass") if r.passed else _("FAIL"), r.expected, r.got] + note)
                 ok.append(r.passed)
         return head, body, ok
 
     def _title(self) -> str:
-        return f"{self.exercise}: {_num(self.points)} / {_num(self.max_points)} points. {self.reason}"
+        return _("{exercise}: {points} / {max_points} points. {reason}", exercise=self.exercise,
+                 points=_num(self.points), max_points=_num(self.max_points), reason=self.reason)
 
     def __str__(self) -> str:
-        head, body, _ = self._table()
+        head, body, _ok = self._table()
         lines = [self._title()]
         if body:
             cells = [[_clip(x) for x in row] for row in [head] + body]
@@ -105,7 +108,7 @@ class Result:
             fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
             lines += [fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]]
         if self.hint and not self.passed:
-            lines.append(f"Hint: {self.hint}")
+            lines.append(_("Hint: {hint}", hint=_(self.hint)))
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle: bool) -> None:
@@ -120,14 +123,14 @@ class Result:
             out.append("<table><tr>" + "".join(f"<th {td}>{html.escape(h)}</th>" for h in head)
                        + "</tr>")
             for row, passed in zip(body, ok):
-                mark = {"pass": "&#10004; pass", "FAIL": "&#10008; fail"}
-                cells = [mark.get(x, html.escape(x)) if i == head.index("result") else
+                mark = {_("pass"): "&#10004; " + _("pass"), _("FAIL"): "&#10008; " + _("fail")}
+                cells = [mark.get(x, html.escape(x)) if i == head.index(_("result")) else
                          html.escape(x) for i, x in enumerate(row)]
                 bg = "" if passed else ' style="background:rgba(207,34,46,0.08)"'
                 out.append(f"<tr{bg}>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
             out.append("</table>")
         if self.hint and not self.passed:
-            out.append(f"<p><b>Hint:</b> {html.escape(self.hint)}</p>")
+            out.append(f"<p><b>{html.escape(_('Hint:'))}</b> {html.escape(_(self.hint))}</p>")
         return "\n".join(out) + "</div>"
 
 
