@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 EDITIONS = ("es",)
 # Lessons whose Spanish catalogue is not written yet: `build --check` lists them instead of
 # failing, and fails once one of them is complete (so this list cannot go stale).
-PENDING = {"es": ("06_tensor_parallel",
-                  "07_pipeline_parallel", "08_zero", "09_failures", "10_communication",
+PENDING = {"es": (
+                  "08_zero", "09_failures", "10_communication",
                   "11_capstone")}
 # Comments that are markers for tools, not prose: never translated.
 _MARKER = re.compile(r"^(\||#|\s*(NBVAL_|noqa|type:|YOUR CODE HERE|pragma))")  # after the #
