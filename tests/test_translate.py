@@ -132,3 +132,18 @@ def test_every_spanish_notebook_has_the_english_code():
         es = nbformat.read(es_path, as_version=4)
         assert es.metadata["course_lib"]["lang"] == "es"
         assert_same_code(en, es)
+
+
+def test_every_lesson_is_translated_in_full():
+    """100% of every lesson's entries are translated and reviewed (none fuzzy), and no markdown
+    cell of the Spanish edition is left in English."""
+    lessons = sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+    assert translate.pending("es") == ()
+    assert translate.problems(ROOT / "solutions", "es") == []
+    assert sorted(p.name for p in (ROOT / "notebooks" / "es").glob("*.ipynb")) == lessons
+    for name in lessons:
+        en = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        es = nbformat.read(ROOT / "notebooks" / "es" / name, as_version=4)
+        for a, b in zip(en.cells, es.cells):
+            if a.cell_type == "markdown" and a.source.strip():
+                assert b.source != a.source, f"{name}, cell {a.get('id')}: still English"
