@@ -240,4 +240,9 @@ def test_editing_a_lesson_export_cell_in_a_copy_of_this_repo_fails_check(tmp_pat
     nbformat.write(nb, path)
     (module,) = [rel for rel, text in build.exported_modules(nb, path.name).items()
                  if f"cell {index}\n" in text]
-    assert build.stale(tmp_path) == [f"stale: {module}", f"stale: notebooks/{path.name}"]
+    problems = build.stale(tmp_path)
+    assert problems[:3] == [f"stale: {module}", f"stale: notebooks/{path.name}",
+                            f"stale: notebooks/es/{path.name}"]
+    # the new comment is text a translator has not seen yet
+    assert len(problems) == 4 and problems[3].startswith(f"es: {path.name}, cell {index} ")
+    assert "comment): the English changed and its entry is missing" in problems[3]
