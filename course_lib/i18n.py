@@ -5,8 +5,8 @@ current language, which is `language(...)`'s while one is active (the grader set
 submission's), else `$COURSE_LANG`, else English. Catalogues are edited with the ordinary
 tools (Poedit, Weblate, `msgmerge`); an entry that is fuzzy or untranslated falls back to
 English. The package's own messages live in `course_lib/locale/LANG/course_lib.po`, extracted
-from the code by `python -m course_lib.i18n extract` (every `_("...")` literal and every
-exercise's `hint=`).
+from the code by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal
+and every exercise's `hint=`).
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ def language(lang: str | None) -> Iterator[None]:
         _active.reset(token)
 
 
-def language_of(notebook: Path) -> str | None:
-    """The edition a notebook belongs to (its metadata's `course_lib.lang`), or None."""
+def language_of(notebook: Path | dict) -> str | None:
+    """The edition a notebook belongs to (its metadata's `course_lib.lang`), or None: from a
+    notebook file, or from a notebook already read (a submission's metadata is data, checked)."""
     try:
-        meta = json.loads(Path(notebook).read_text(encoding="utf-8"))["metadata"]
-        lang = meta.get("course_lib", {}).get("lang")
+        nb = notebook if isinstance(notebook, dict) else \
+            json.loads(Path(notebook).read_text(encoding="utf-8"))
+        lang = nb["metadata"].get("course_lib", {}).get("lang")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return lang if lang in LANGUAGES else None
+    return lang if isinstance(lang, str) and lang in LANGUAGES else None
 
 
 def catalogue(path: Path) -> dict[str, str]:
@@ -83,6 +85,12 @@ def _(message: str, /, **fields: object) -> str:
     return message.format(**fields) if fields else message
 
 
+def N_(message: str) -> str:
+    """Marks a message for the catalogue where it is defined, translated later with `_`
+    (gettext's deferred-translation marker)."""
+    return message
+
+
 def fields_of(text: str) -> set[str]:
     """The `{names}` a message fills in: a translation must keep exactly these."""
     try:
@@ -95,14 +103,15 @@ def fields_of(text: str) -> set[str]:
 
 
 def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
-    """{message: [where, ...]} of every `_("...")` call and `hint="..."` keyword in the package."""
+    """{message: [where, ...]} of every `_("...")` and `N_("...")` call and `hint="..."` keyword
+    in the package."""
     found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             texts = []
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "_" and node.args
+                    and node.func.id in ("_", "N_") and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 texts.append(node.args[0].value)
             if isinstance(node, ast.keyword) and node.arg == "hint" and \

@@ -42,10 +42,12 @@ def spawn_and_hang(pids: Path) -> str:
 
 
 def _make(path: Path, *, release: bool = False, edit: dict | None = None,
-          drop: tuple = (), extra: list | None = None) -> Path:
+          drop: tuple = (), extra: list | None = None, lang: str | None = None) -> Path:
     nb = nbformat.read(SOLUTION, as_version=4)
     if release:
         nb = student_notebook(nb, SOLUTION.name)
+    if lang:  # the edition, as the build marks notebooks/es/
+        nb.metadata.setdefault("course_lib", {})["lang"] = lang
     for index, source in (edit or {}).items():
         nb.cells[index].source = source
     nb.cells = [c for i, c in enumerate(nb.cells) if i not in drop]
@@ -73,6 +75,7 @@ def graded(tmp_path_factory):
     _make(subs / "kate.ipynb", release=True, edit={DEF_MEAN: "def mean(xs):\n    "
                                                    "return sum(xs) / len(xs)",
                                                    DEF_WORDS: WORDS_OK})
+    _make(subs / "lucia" / lesson, release=True, lang="es", edit={DEF_MEAN: MEAN_INT_DIV})
     out = tmp_path_factory.mktemp("out")
     kernels: list[int] = []
     seen_rows: list[int] = []
@@ -122,6 +125,16 @@ def test_deleted_or_faked_check_cells_graded_on_real_code(graded):
         "given code cell(s) 3, 5 edited or deleted in the submission: the original ran")
 
 
+def test_a_spanish_submission_is_graded_in_spanish(graded):
+    rows = graded["by"]["lucia"]
+    assert _points(graded, "lucia") == {"lesson97.mean": 1.33, "lesson97.count_words": 0.0}
+    assert "fallaron 1 de 3 casos; el primero: " in rows["lesson97.mean"]["reason"]
+    assert "se esperaba 1.75, se obtuvo 1.0" in rows["lesson97.mean"]["reason"]
+    assert rows["lesson97.count_words"]["reason"] == (
+        "todavía sin implementar: count_words lanza NotImplementedError")
+    assert graded["by"]["carol"]["lesson97.mean"]["reason"].startswith("not implemented")
+
+
 def test_hangs_cut_off_and_next_exercise_still_graded(graded):
     rows = graded["by"]["frank"]
     assert _points(graded, "frank") == {"lesson97.mean": 0.0, "lesson97.count_words": 0.0}
@@ -154,16 +167,16 @@ def test_notebook_timeout_then_graded_on_what_it_defined(graded):
 def test_no_process_left_behind(graded):
     kernel_pid, child_pid = map(int, (graded["subs"] / "ivy" / "pids.txt").read_text().split())
     assert kernel_pid in graded["kernels"]
-    assert len(graded["kernels"]) == 6  # every submission but the invalid file got a kernel
+    assert len(graded["kernels"]) == 7  # every submission but the invalid file got a kernel
     for pid in graded["kernels"] + [child_pid]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
 
 
 def test_results_written_after_each_submission(graded):
-    assert graded["seen_rows"] == [2 * k for k in range(1, 8)]
+    assert graded["seen_rows"] == [2 * k for k in range(1, 9)]
     with open(graded["out"] / "grades.csv", newline="") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 14 and table[0].keys() >= {"student", "exercise", "points",
+    assert len(table) == 16 and table[0].keys() >= {"student", "exercise", "points",
                                                     "max_points", "reason"}
     assert json.loads((graded["out"] / "grades.json").read_text()) == graded["rows"]
 

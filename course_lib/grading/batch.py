@@ -34,7 +34,7 @@ from nbclient.util import run_sync
 from course_lib.grading import containment, judge, plain, rebuild
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
-from course_lib.i18n import _
+from course_lib.i18n import LANG_ENV, _, language, language_of
 from course_lib.overlay import HOME_ENV, USE_ENV
 from course_lib.processes import ProcessSet
 
@@ -284,9 +284,18 @@ def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str 
                      source: Path = SOURCE, noted: Callable[[list], None] = lambda r: None,
                      env: dict[str, str] | None = None) -> list[dict]:
     """One row per exercise of the submission's lesson (or one row if that cannot be told).
-    `source` holds the instructor's notebooks; `noted` is told the PIDs the kernel starts."""
+    `source` holds the instructor's notebooks; `noted` is told the PIDs the kernel starts.
+    Reasons are written in the submission's edition (a Spanish notebook gets Spanish ones)."""
     nb, name, exercises, error = _read(sub, lesson)
+    lang = language_of(nb) if nb is not None else None
+    with language(lang):
+        return _grade(sub, nb, name, exercises, error, limits, source, noted,
+                      dict(env or os.environ, **({LANG_ENV: lang} if lang else {})))
 
+
+def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
+           exercises: list[Exercise], error: str, limits: Limits, source: Path,
+           noted: Callable[[list], None], env: dict[str, str]) -> list[dict]:
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
                 for ex, points, reason in graded]
@@ -306,8 +315,8 @@ def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str 
     session = KernelSession(nb, work / "cwd", noted)
     try:
         # The package's reference components, never a learner's overlay on this machine
-        session.start(dict(env or os.environ, **{GRADING_ENV: "1", USE_ENV: "reference",
-                                                 HOME_ENV: str(work / "home")}), work, limits)
+        session.start(dict(env, **{GRADING_ENV: "1", USE_ENV: "reference",
+                                   HOME_ENV: str(work / "home")}), work, limits)
         note, fatal = _run_notebook(session, list(nb.cells), limits.notebook_timeout)
         if fatal:
             return rows([(ex, 0.0, changed + fatal) for ex in exercises])

@@ -6,8 +6,10 @@ import math
 import reprlib
 from typing import Any
 
+from course_lib.i18n import N_, _
+
 _short = reprlib.Repr()
-WRONG_VALUE = "wrong value"
+WRONG_VALUE = N_("wrong value")
 _short.maxstring, _short.maxother, _short.maxlist, _short.maxtuple = 60, 60, 8, 8
 
 
@@ -21,14 +23,17 @@ def _is_array(x: Any) -> bool:
 
 def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "") -> str | None:
     """None when `got` matches `expected` (numbers within rtol/atol), else what differs."""
-    at = f" at {where}" if where else ""
+    at = _(" at {where}", where=where) if where else ""
     if _is_tensor(expected) or _is_array(expected):
         if type(got) is not type(expected):
-            return f"expected a {type(expected).__name__}{at}, got {type(got).__name__}"
+            return _("expected a {expected}{at}, got {got}", expected=type(expected).__name__,
+                     at=at, got=type(got).__name__)
         if tuple(got.shape) != tuple(expected.shape):
-            return f"shape {tuple(got.shape)}{at}, expected {tuple(expected.shape)}"
+            return _("shape {got}{at}, expected {expected}", got=tuple(got.shape), at=at,
+                     expected=tuple(expected.shape))
         if got.dtype != expected.dtype:
-            return f"dtype {got.dtype}{at}, expected {expected.dtype}"
+            return _("dtype {got}{at}, expected {expected}", got=got.dtype, at=at,
+                     expected=expected.dtype)
         import numpy as np
 
         if _is_tensor(expected):
@@ -38,8 +43,8 @@ def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "")
             return None
         err = np.where(close, 0, np.abs(got.astype(np.float64) - expected.astype(np.float64)))
         worst = np.unravel_index(np.argmax(err), err.shape)
-        return (f"values differ{at}: max |got - expected| = {err[worst]:.3g} at "
-                f"{tuple(int(i) for i in worst)}")
+        return _("values differ{at}: max |got - expected| = {error} at {index}", at=at,
+                 error=f"{err[worst]:.3g}", index=tuple(int(i) for i in worst))
     if isinstance(expected, bool) or isinstance(got, bool):
         return None if got is expected else _wrong(got, expected, where)
     if isinstance(expected, float) and isinstance(got, (int, float)):
@@ -48,9 +53,11 @@ def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "")
         return None if ok else _wrong(got, expected, where)
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
-            return f"expected a {type(expected).__name__}{at}, got {type(got).__name__}"
+            return _("expected a {expected}{at}, got {got}", expected=type(expected).__name__,
+                     at=at, got=type(got).__name__)
         if len(got) != len(expected):
-            return f"length {len(got)}{at}, expected {len(expected)}"
+            return _("length {got}{at}, expected {expected}", got=len(got), at=at,
+                     expected=len(expected))
         for i, (g, e) in enumerate(zip(got, expected)):
             diff = mismatch(g, e, rtol, atol, f"{where}[{i}]")
             if diff:
@@ -58,7 +65,8 @@ def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "")
         return None
     if isinstance(expected, dict):
         if not isinstance(got, dict) or set(got) != set(expected):
-            return f"{show(got)}{at}, expected keys {sorted(map(str, expected))}"
+            return _("{got}{at}, expected keys {keys}", got=show(got), at=at,
+                     keys=sorted(map(str, expected)))
         for k in expected:
             diff = mismatch(got[k], expected[k], rtol, atol, f"{where}[{k!r}]")
             if diff:
@@ -73,7 +81,10 @@ def mismatch(got: Any, expected: Any, rtol: float, atol: float, where: str = "")
 
 def _wrong(got: Any, expected: Any, where: str) -> str:
     # At the top level the table's expected/got columns already show both values.
-    return f"{show(got)} at {where}, expected {show(expected)}" if where else WRONG_VALUE
+    if not where:
+        return _(WRONG_VALUE)
+    return _("{got} at {where}, expected {expected}", got=show(got), where=where,
+             expected=show(expected))
 
 
 def show(value: Any) -> str:

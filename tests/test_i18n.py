@@ -1,0 +1,64 @@
+"""The package's messages in Spanish: the catalogue matches the code, and a learner meets it."""
+
+from pathlib import Path
+
+import polib
+import torch
+
+from course_lib import i18n
+from course_lib.dist.errors import describe
+from course_lib.grading import Exercise, case, grade_function, register
+from course_lib.processes import RankError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+register(Exercise(
+    name="lesson98.double", notebook="98_i18n_test", params=("x",),
+    cases=[case(torch.arange(3.0)), case(torch.tensor([-1.0, 4.0]))],
+    reference=lambda x: 2 * x, points=2, hint="multiply by two"))
+
+
+def double_wrong(x):  # right on the first case, wrong sign handling on the second
+    return 2 * x.abs()
+
+
+def test_the_catalogue_is_the_code_s_messages_all_translated():
+    """`python -m course_lib.i18n extract` is up to date, and every message is translated,
+    reviewed (none fuzzy) and keeps exactly the fields it fills in."""
+    found = i18n.extract()
+    entries = {e.msgid: e for e in polib.pofile(str(i18n.package_po("es"))) if not e.obsolete}
+    assert set(entries) == set(found)
+    for msgid, entry in entries.items():
+        assert entry.msgstr and "fuzzy" not in entry.flags, msgid
+        assert i18n.fields_of(entry.msgstr) == i18n.fields_of(msgid), msgid
+
+
+def test_check_feedback_is_written_in_the_edition_s_language(monkeypatch):
+    english = grade_function("lesson98.double", double_wrong)
+    assert english.reason.startswith("1 of 2 cases failed; first: ")
+    assert "Hint: multiply by two" in str(english)
+    with i18n.language("es"):
+        spanish = grade_function("lesson98.double", double_wrong)
+        table = str(spanish)
+    assert spanish.points == english.points == 1.0
+    assert spanish.reason.startswith("fallaron 1 de 2 casos; el primero: ")
+    assert "los valores difieren: máx. |obtenido - esperado| = 4 en (0,)" in spanish.reason
+    assert "lesson98.double: 1 / 2 puntos." in table and "FALLA" in table
+    assert "Pista: multiply by two" in table  # a hint not in the catalogue stays English
+    monkeypatch.setenv(i18n.LANG_ENV, "es")  # what `course.py lab --lang es` sets
+    assert grade_function("lesson98.double", double_wrong).reason.startswith("fallaron")
+
+
+def test_cluster_and_dist_errors_in_spanish():
+    with i18n.language("es"):
+        assert describe(0, "recv", "recv from", 2, "boom") == \
+            "rank 0: recv (desde el rank 2) falló: boom"
+        assert str(RankError("run(f)", {3: "x"})) == "run(f): fallaron 1 rank(s)\n  rank 3: x"
+    assert describe(0, "recv", "recv from", 2, "boom") == "rank 0: recv from rank 2 failed: boom"
+
+
+def test_the_edition_is_read_from_the_notebook():
+    assert i18n.language_of(ROOT / "notebooks" / "es" / "00_cluster.ipynb") == "es"
+    assert i18n.language_of(ROOT / "notebooks" / "00_cluster.ipynb") is None
+    assert i18n.language_of({"metadata": {"course_lib": {"lang": "xx"}}}) is None
+    assert i18n.language_of({"metadata": {"course_lib": {"lang": ["es"]}}}) is None
