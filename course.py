@@ -8,6 +8,7 @@ fresh machine with only Python 3.11+ needs nothing else.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -51,9 +52,45 @@ def ensure_env() -> None:
     STAMP.write_text(wanted)
 
 
+LOCALES = {"en": "en", "es": "es_ES"}  # the course's editions -> JupyterLab's language packs
+
+
+def lab_settings(lang: str) -> Path:
+    """The course's JupyterLab settings for an edition: its language pack selected and the news
+    pop-up off (it covers cells). Kept in .venv, so the learner's own settings elsewhere stay."""
+    folder = VENV / "share" / "course-lab" / lang
+    wanted = {"@jupyterlab/translation-extension/plugin": {"locale": LOCALES[lang]},
+              "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"}}
+    for plugin, values in wanted.items():
+        path = folder / f"{plugin}.jupyterlab-settings"
+        try:
+            current = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing, or edited into JSON5 that json cannot read
+            current = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**current, **values}, indent=2), encoding="utf-8")
+    return folder
+
+
+def lab(rest: list[str], env: dict[str, str]) -> int:
+    """`lab [--lang en|es] [jupyter lab options]`: the student notebooks of that edition."""
+    lang = "en"
+    if "--lang" in rest:
+        i = rest.index("--lang")
+        lang = rest[i + 1] if i + 1 < len(rest) else ""
+        del rest[i:i + 2]
+    if lang not in LOCALES:
+        print(f"course.py lab --lang: choose one of {', '.join(LOCALES)}")
+        return 2
+    folder = "notebooks" if lang == "en" else f"notebooks/{lang}"
+    env = dict(env, COURSE_LANG=lang, JUPYTERLAB_SETTINGS_DIR=str(lab_settings(lang)))
+    root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
+    return run(BIN / "jupyter", "lab", f"--ServerApp.root_dir={folder}", *root, *rest, env=env)
+
+
 def main(argv: list[str]) -> int:
     commands = {
-        "lab": "install, then open the course in JupyterLab",
+        "lab": "install, then open the course in JupyterLab (--lang es: the Spanish edition)",
         "test": "install, then run the whole test suite (extra args go to pytest; --quick: "
                 "the tests that start no engines, kernels or servers, and no notebooks)",
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",
@@ -75,8 +112,7 @@ def main(argv: list[str]) -> int:
     ensure_env()
     env = dict(os.environ, IPP_NONINTERACTIVE="1")
     if command == "lab":
-        root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
-        return run(BIN / "jupyter", "lab", "--ServerApp.root_dir=notebooks", *root, *rest)
+        return lab(rest, env)
     if command == "test":
         start = time.monotonic()
         paths = [a for a in rest if not a.startswith("-") and Path(a.split("::")[0]).exists()]
