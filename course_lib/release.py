@@ -21,7 +21,8 @@ from course_lib.grading import judge, plain
 from course_lib.grading.catalogue import exercises_for, lessons
 from course_lib.overlay import STUDENT_HEADER, student_cells
 
-TOP_LEVEL = ("README.md", "pyproject.toml", "constraints.txt", "course.py", ".gitignore")
+TOP_LEVEL = ("README.md", "README.es.md", "docs/glossary.es.md", "pyproject.toml",
+             "constraints.txt", "course.py", ".gitignore")
 SKIP = ("__pycache__", ".egg-info", ".ipynb_checkpoints")
 # Regions whose code the bundle still ships, with why: each is a defect to mend, not a licence.
 # The release prints them; tests/test_release.py fails when this list and the bundle disagree.
@@ -56,7 +57,8 @@ def write_release(root: Path, dest: Path) -> list[str]:
         raise ValueError(f"{dest} is inside the repository: give a folder outside it")
     files = {rel: data for rel, data in build.expected_files(root).items()
              if rel.startswith(f"{build.NOTEBOOKS}/")}
-    files.update({rel: text.encode() for rel, text in stub_modules(files).items()})
+    english = {rel: data for rel, data in files.items() if rel.count("/") == 1}  # not es/
+    files.update({rel: text.encode() for rel, text in stub_modules(english).items()})
     for path in sorted((root / build.PACKAGE).rglob("*")):
         rel = path.relative_to(root).as_posix()
         if path.is_file() and rel not in files and not any(s in rel for s in SKIP):

@@ -47,18 +47,22 @@ def bundle_files(bundle: Path) -> set[str]:
 def test_the_bundle_holds_the_student_notebooks_and_machinery_and_no_solution(bundle: Path):
     files = bundle_files(bundle)
     assert not [f for f in files if f.startswith(("solutions/", "tests/"))]
-    student = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    student = {p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").rglob("*.ipynb")}
     assert student and student <= files
+    assert any(f.startswith("notebooks/es/") for f in student)  # both editions
     for f in student:  # the student notebooks as the build writes them, not the solutions
         assert (bundle / f).read_bytes() == (ROOT / f).read_bytes()
     machinery = ("course_lib/cluster/client.py", "course_lib/grading/learner.py",
                  "course_lib/bench/__init__.py", "course_lib/dist/__init__.py",
-                 "README.md", "pyproject.toml", "constraints.txt", "course.py")
+                 "course_lib/locale/es/course_lib.po", "course_lib/i18n.py",
+                 "README.md", "README.es.md", "docs/glossary.es.md", "pyproject.toml",
+                 "constraints.txt", "course.py")
     assert [m for m in machinery if m not in files] == []
     for module in COMPONENTS:
         text = (bundle / build.module_path(module)).read_text()
         assert text.startswith(release.STUB_HEADER.split("{")[0]), module
         assert "NotImplementedError" in text and build.BEGIN_SOLUTION not in text, module
+        assert "notebooks/es/" not in text, module  # built from the English edition
 
 
 def test_no_line_of_any_solution_region_ships_beyond_the_listed_gaps(bundle: Path):
