@@ -2,7 +2,7 @@
 
 English is the source of every message: `_("all {n} cases passed", n=3)` returns it in the
 current language, which is `language(...)`'s while one is active (the grader sets the
-submission's), else `$COURSE_LANG`, else English. Catalogues are edited with the ordinary
+submission's), else `$COURSE_LANG`, else that of the notebook the kernel runs, else English. Catalogues are edited with the ordinary
 tools (Poedit, Weblate, `msgmerge`); an entry that is fuzzy or untranslated falls back to
 English. The package's own messages live in `course_lib/locale/LANG/course_lib.po`, extracted
 from the code by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import string
@@ -29,9 +30,16 @@ _loaded: dict[Path, tuple[float, dict[str, str]]] = {}
 
 
 def current() -> str:
-    """The language messages are written in now."""
-    lang = _active.get() or os.environ.get(LANG_ENV, "en")
+    """The language messages are written in now: `language(...)`'s, else `$COURSE_LANG`, else
+    the edition of the notebook this kernel runs (JupyterLab names it), else English."""
+    lang = _active.get() or os.environ.get(LANG_ENV) or _session_language(
+        os.environ.get("JPY_SESSION_NAME", ""))
     return lang if lang in LANGUAGES else "en"
+
+
+@functools.lru_cache(maxsize=4)
+def _session_language(session: str) -> str | None:
+    return language_of(Path(session)) if session.endswith(".ipynb") else None
 
 
 @contextlib.contextmanager

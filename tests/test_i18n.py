@@ -62,3 +62,14 @@ def test_the_edition_is_read_from_the_notebook():
     assert i18n.language_of(ROOT / "notebooks" / "00_cluster.ipynb") is None
     assert i18n.language_of({"metadata": {"course_lib": {"lang": "xx"}}}) is None
     assert i18n.language_of({"metadata": {"course_lib": {"lang": ["es"]}}}) is None
+
+
+def test_a_kernel_running_a_spanish_notebook_speaks_spanish(monkeypatch):
+    """JupyterLab names the notebook a kernel runs: errors raised outside any check (the
+    cluster's, say) follow that notebook's edition without COURSE_LANG."""
+    monkeypatch.delenv(i18n.LANG_ENV, raising=False)
+    monkeypatch.setenv("JPY_SESSION_NAME", str(ROOT / "notebooks" / "es" / "00_cluster.ipynb"))
+    assert i18n.current() == "es"
+    assert str(RankError("run(f)", {0: "x"})).startswith("run(f): fallaron 1 rank(s)")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(ROOT / "notebooks" / "00_cluster.ipynb"))
+    assert i18n.current() == "en"
