@@ -1,6 +1,7 @@
 """The Spanish edition: catalogues replace text and never code, and stale entries are named."""
 
 import io
+import re
 import shutil
 import tokenize
 from pathlib import Path
@@ -147,3 +148,28 @@ def test_every_lesson_is_translated_in_full():
         for a, b in zip(en.cells, es.cells):
             if a.cell_type == "markdown" and a.source.strip():
                 assert b.source != a.source, f"{name}, cell {a.get('id')}: still English"
+
+
+FENCE = re.compile(r"```.*?```", re.S)
+CODE_SPAN = re.compile(r"`([^`]+)`")
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
+
+
+def _code_like(span: str) -> bool:
+    """`dist.all_reduce(t, op)` is code; `(input, what backward starts from)` is prose set in
+    code font, which a translation translates."""
+    return not re.search(r"[A-Za-z] [A-Za-z]", span)
+
+
+def test_translations_keep_every_number_and_piece_of_code():
+    """A mechanical check of meaning beside the human review: every number (in the English
+    format) and every code span of an entry's English stands in its Spanish too."""
+    for po_path in sorted((ROOT / "solutions" / "es").glob("*.po")):
+        for entry in polib.pofile(str(po_path)):
+            if entry.obsolete:
+                continue
+            en, es = (" ".join(FENCE.sub("", t).split()) for t in (entry.msgid, entry.msgstr))
+            where = f"{po_path.name}, cell {entry.msgctxt}"
+            assert set(NUMBER.findall(en)) <= set(NUMBER.findall(es)), where
+            spans = {s for s in CODE_SPAN.findall(en) if _code_like(s)}
+            assert spans <= set(CODE_SPAN.findall(es)), (where, spans - set(CODE_SPAN.findall(es)))
