@@ -73,3 +73,19 @@ def test_a_kernel_running_a_spanish_notebook_speaks_spanish(monkeypatch):
     assert str(RankError("run(f)", {0: "x"})).startswith("run(f): fallaron 1 rank(s)")
     monkeypatch.setenv("JPY_SESSION_NAME", str(ROOT / "notebooks" / "00_cluster.ipynb"))
     assert i18n.current() == "en"
+
+
+def test_the_flight_recorder_explains_a_hang_in_spanish():
+    from course_lib.dist.flight import Entry, diagnose
+
+    stuck = Entry(seq=3, op="all_reduce", dtype="float32", shape=[1024], start=0.0)
+    records = {1: [dict(vars(Entry(3, "all_reduce", "float32", [1024], 0.0, 1.0, "completed")))],
+               2: [dict(vars(Entry(2, "barrier", None, None, 0.0, 1.0, "completed")))], 3: None}
+    english = diagnose(stuck, "world", records)
+    assert english == ("rank 1 completed it; rank 2 last completed #2 and is not in a collective "
+                       "(it has not called #3); rank 3 did not answer (its process may be gone)")
+    with i18n.language("es"):
+        assert diagnose(stuck, "world", records) == (
+            "el rank 1 la completó; el rank 2 completó por última vez la #2 y no está en "
+            "ninguna colectiva (no ha llamado a la #3); el rank 3 no respondió (quizá su "
+            "proceso ya no existe)")

@@ -23,7 +23,7 @@ from course_lib import backend as backends
 from course_lib.cluster import engine
 from course_lib.cluster.errors import ClusterError, EngineDied, RankError, RankTimeout
 from course_lib.processes import ProcessSet, running
-from course_lib.i18n import _
+from course_lib.i18n import _, current
 
 POLL_SECONDS = 0.05
 INTERRUPT_GRACE = 3.0  # seconds a rank gets to unwind after SIGINT before its engines restart
@@ -157,8 +157,9 @@ class Cluster:
                 self._client.wait_for_engines(self.world_size, timeout=self.timeout,
                                               interactive=False)
             except TimeoutError:
-                raise ClusterError(f"only {len(self._client.ids)} of {self.world_size} engines "
-                                   f"started within {self.timeout:g}s") from None
+                raise ClusterError(_("only {started} of {n} engines started within {limit}s",
+                                     started=len(self._client.ids), n=self.world_size,
+                                     limit=f"{self.timeout:g}")) from None
             self._assign_ranks()
             self._init_process_group()
         except BaseException:
@@ -186,7 +187,7 @@ class Cluster:
         self._view.use_cloudpickle()
         futures = [self._client[eid].apply_async(
                        engine.setup, rank, self.world_size, self.backend,
-                       watch if self._info[rank]["host"] == local else None)
+                       watch if self._info[rank]["host"] == local else None, current())
                    for rank, eid in enumerate(self._ids)]
         self._gather(futures, "setting up engines", self.timeout)
         if _in_ipython():
@@ -220,12 +221,12 @@ class Cluster:
         if self._stopped:
             raise ClusterError("shrink: this cluster is stopped")
         if not self._dead:
-            raise ClusterError("shrink: no rank has died, so there is nothing to drop")
+            raise ClusterError(_("shrink: no rank has died, so there is nothing to drop"))
         if self.backend == "mpi":
             raise ClusterError("shrink: an MPI world cannot lose ranks; call .restart()")
         live = [r for r in range(self.world_size) if r not in self._dead]
         if not live:
-            raise ClusterError("shrink: every rank has died; call .restart()")
+            raise ClusterError(_("shrink: every rank has died; call .restart()"))
         self._ids = [self._ids[r] for r in live]
         self._info = [self._info[r] for r in live]
         self.world_size = len(live)
@@ -289,7 +290,7 @@ class Cluster:
         stuck ranks, or restarting the engines if that fails) and `EngineDied`.
         """
         if not callable(fn):
-            raise TypeError(f"run() needs a function, got {type(fn).__name__}")
+            raise TypeError(_("run() needs a function, got {type}", type=type(fn).__name__))
         self._check_usable()
         limit = self.run_timeout if timeout is None else float(timeout)
         futures = self._on_all(fn, *args, **kwargs)

@@ -45,10 +45,16 @@ def info() -> dict:
     return found
 
 
-def setup(rank: int, world_size: int, backend: str, watch: dict | None = None) -> None:
-    """Become rank `rank`; with `watch`, end this engine when the client process is gone."""
+def setup(rank: int, world_size: int, backend: str, watch: dict | None = None,
+          lang: str | None = None) -> None:
+    """Become rank `rank`; with `watch`, end this engine when the client process is gone;
+    messages in the client's language `lang` (the Spanish edition's errors are Spanish)."""
     import torch
 
+    from course_lib.i18n import LANG_ENV
+
+    if lang:
+        os.environ[LANG_ENV] = lang
     torch.set_num_threads(1)
     _STATE.update(rank=rank, world_size=world_size, backend=backend)
     install_globals("none")  # `dist` arrives with the process group

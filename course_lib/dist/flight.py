@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from course_lib.dist.wire import DTYPE_CODE, DTYPES
+from course_lib.i18n import N_, _
 
 TRACE_SIZE = 2000
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
@@ -44,7 +45,7 @@ class Entry:
     shape: list[int] | None
     start: float
     end: float | None = None
-    state: str = "started"  # then "completed" or "failed"
+    state: str = N_("started")  # then "completed" or "failed"
     algorithm: str | None = None  # all_reduce's, as chosen (by its "auto" table or by name)
 
     def what(self, group: str) -> str:
@@ -76,7 +77,7 @@ class Recorder:
 
     def finish(self, entry: Entry, failed: bool) -> None:
         with self._lock:
-            entry.end, entry.state = time.time(), "failed" if failed else "completed"
+            entry.end, entry.state = time.time(), N_("failed") if failed else N_("completed")
 
     def snapshot(self) -> list[dict]:
         with self._lock:
@@ -104,9 +105,9 @@ def same_call(a: Entry, b: Entry) -> bool:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + (
-        ", ".join(map(str, ranks[:-1])) + " and " + str(ranks[-1]) if len(ranks) > 1
-        else str(ranks[0]))
+    if len(ranks) == 1:
+        return _("rank {rank}", rank=ranks[0])
+    return _("ranks {ranks} and {last}", ranks=", ".join(map(str, ranks[:-1])), last=ranks[-1])
 
 
 def diagnose(entry: Entry, group: str, records: dict[int, list[dict] | None]) -> str:
@@ -116,7 +117,7 @@ def diagnose(entry: Entry, group: str, records: dict[int, list[dict] | None]) ->
     notes = []
     for rank, record in sorted(records.items()):
         if record is None:
-            notes.append(f"rank {rank} did not answer (its process may be gone)")
+            notes.append(_("rank {rank} did not answer (its process may be gone)", rank=rank))
             continue
         entries = [Entry(**e) for e in record]
         at_seq = [e for e in entries if e.seq == entry.seq]
@@ -124,17 +125,25 @@ def diagnose(entry: Entry, group: str, records: dict[int, list[dict] | None]) ->
             by_state[at_seq[-1].state].append(rank)
             continue
         done = [e.seq for e in entries if e.state == "completed" and e.seq < entry.seq]
-        last = f"last completed #{max(done)}" if done else "completed none of this group's"
+        last = (_("last completed #{seq}", seq=max(done)) if done else
+                _("completed none of this group's"))
         now = [e for e in entries if e.state == "started"]
-        where = (f"is in {now[-1].what(group)}" if now else
-                 f"is not in a collective (it has not called #{entry.seq})")
+        where = (_("is in {call}", call=now[-1].what(group)) if now else
+                 _("is not in a collective (it has not called #{seq})", seq=entry.seq))
         if at_seq and not now:
-            where = f"called {at_seq[-1].what(group)} ({at_seq[-1].state})"
-        notes.append(f"rank {rank} {last} and {where}")
+            where = _("called {call} ({state})", call=at_seq[-1].what(group),
+                      state=_(at_seq[-1].state))
+        notes.append(_("rank {rank} {last} and {where}", rank=rank, last=last, where=where))
     done, inside, failed = by_state["completed"], by_state["started"], by_state["failed"]
-    parts = [f"{_ranks(done)} completed it"] if done else []
+    # one message per number, as Spanish (and English's "is"/"are") agree the verb with it
+    parts = []
+    if done:
+        parts.append(_("{rank} completed it", rank=_ranks(done)) if len(done) == 1 else
+                     _("{ranks} completed it", ranks=_ranks(done)))
     if inside:
-        parts.append(f"{_ranks(inside)} {'is' if len(inside) == 1 else 'are'} in it too")
+        parts.append(_("{rank} is in it too", rank=_ranks(inside)) if len(inside) == 1 else
+                     _("{ranks} are in it too", ranks=_ranks(inside)))
     if failed:
-        parts.append(f"{_ranks(failed)} failed in it too")
-    return "; ".join(parts + notes) or "no other rank in the group"
+        parts.append(_("{rank} failed in it too", rank=_ranks(failed)) if len(failed) == 1 else
+                     _("{ranks} failed in it too", ranks=_ranks(failed)))
+    return "; ".join(parts + notes) or _("no other rank in the group")

@@ -24,6 +24,7 @@ from course_lib.dist.matching import RecvRequest
 from course_lib.dist.peer import Peer
 from course_lib.dist.work import What, Work, seconds
 from course_lib.dist.transport import Listener, Transport
+from course_lib.i18n import _
 
 DEFAULT_TIMEOUT = 300.0
 MAX_TAG = 2 ** 31 - 1
@@ -60,14 +61,16 @@ class ProcessGroup:
 
     def check_member(self, name: str) -> None:
         if self.rank < 0:
-            raise DistError(f"rank {self.transport.rank}: {name} on {self!r} failed: this rank "
-                            f"is not a member of the group", rank=self.transport.rank,
+            raise DistError(_("rank {rank}: {name} on {group} failed: this rank is not a member "
+                              "of the group", rank=self.transport.rank, name=name,
+                              group=repr(self)), rank=self.transport.rank,
                             operation=name)
 
     def group_rank(self, global_rank: int, what: str) -> int:
         """Index in this group of a global rank given as `src`/`dst` (torch's convention)."""
         if global_rank not in self.ranks:
-            raise ValueError(f"{what}={global_rank} is not in the group's ranks {self.ranks}")
+            raise ValueError(_("{what}={rank} is not in the group's ranks {ranks}", what=what,
+                               rank=global_rank, ranks=self.ranks))
         return self.ranks.index(global_rank)
 
     def deadline(self) -> float:
@@ -91,8 +94,8 @@ class ProcessGroup:
 
     def peer(self, group_rank: int, name: str) -> Peer:
         if group_rank == self.rank:
-            raise ValueError(f"rank {self.transport.rank}: {name}: cannot send to or receive "
-                             f"from itself")
+            raise ValueError(_("rank {rank}: {name}: cannot send to or receive from itself",
+                               rank=self.transport.rank, name=name))
         return self.transport.peer(self.ranks[group_rank])
 
     # Point-to-point by group rank and wire tag: what collectives are written with. `name` is
@@ -165,9 +168,10 @@ class Collective:
             if not flight.same_call(other, self.entry):
                 me, peer = g.transport.rank, g.ranks[r]
                 raise DistError(
-                    f"rank {me}: collectives do not match across ranks: rank {me} called "
-                    f"{self.entry.what(g.description)}, rank {peer} called "
-                    f"{other.what(g.description)}", rank=me, peer_rank=peer,
+                    _("rank {me}: collectives do not match across ranks: rank {me} called "
+                      "{mine}, rank {peer} called {theirs}", me=me, peer=peer,
+                      mine=self.entry.what(g.description), theirs=other.what(g.description)),
+                    rank=me, peer_rank=peer,
                     operation=self.name)
 
     def _explained(self, exc: DistError) -> DistError:
@@ -192,9 +196,11 @@ class Collective:
             t.join(QUERY_TIMEOUT + 1.0)
         records = {r: (answers.get(r) or {}).get("groups", {}).get(str(g.id), {}).get("entries")
                    if answers.get(r) is not None else None for r in peers}
-        verb = "timed out" if isinstance(exc, DistTimeoutError) else "failed"
-        text = (f"{self.entry.what(g.description)} {verb} on rank {me}: "
-                f"{flight.diagnose(self.entry, g.description, records)}\n  cause: {exc}")
+        said = (_("{call} timed out on rank {rank}: {diagnosis}") if isinstance(
+            exc, DistTimeoutError) else _("{call} failed on rank {rank}: {diagnosis}"))
+        text = said.format(call=self.entry.what(g.description), rank=me,
+                           diagnosis=flight.diagnose(self.entry, g.description, records))
+        text += "\n  " + _("cause: {error}", error=exc)
         return type(exc)(text, rank=exc.rank, peer_rank=exc.peer_rank, operation=exc.operation)
 
 
@@ -332,8 +338,8 @@ def resolve(group: ProcessGroup | None, name: str) -> ProcessGroup:
 def resolve_any(group: ProcessGroup | None, name: str) -> ProcessGroup:
     """The group to use (the world by default), whether or not this rank is a member."""
     if _world is None:
-        raise RuntimeError(f"{name}: the process group is not initialized "
-                           f"(call init_process_group, or use course_lib.spawn/cluster)")
+        raise RuntimeError(_("{name}: the process group is not initialized (call "
+                             "init_process_group, or use course_lib.spawn/cluster)", name=name))
     return _world if group is None else group
 
 
@@ -343,7 +349,8 @@ def new_group(ranks: Sequence[int] | None = None,
     world = resolve(None, "new_group")
     ranks = list(range(world.size)) if ranks is None else sorted(int(r) for r in ranks)
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world.size for r in ranks):
-        raise ValueError(f"new_group: ranks must be distinct ranks of the world, got {ranks}")
+        raise ValueError(_("new_group: ranks must be distinct ranks of the world, got {ranks}",
+                           ranks=ranks))
     group = ProcessGroup(world.transport, ranks, len(_groups),
                          world.timeout if timeout is None else seconds(timeout))
     group.detail = _detail
@@ -354,13 +361,17 @@ def new_group(ranks: Sequence[int] | None = None,
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in `group` (the world by default); -1 if it is not a member."""
     if _world is None:
-        raise RuntimeError("get_rank: the process group is not initialized")
+        raise RuntimeError(_("{name}: the process group is not initialized (call "
+                             "init_process_group, or use course_lib.spawn/cluster)",
+                             name="get_rank"))
     return (group or _world).rank
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     if _world is None:
-        raise RuntimeError("get_world_size: the process group is not initialized")
+        raise RuntimeError(_("{name}: the process group is not initialized (call "
+                             "init_process_group, or use course_lib.spawn/cluster)",
+                             name="get_world_size"))
     return (group or _world).size
 
 

@@ -9,11 +9,13 @@ import torch
 
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.work import Work
+from course_lib.i18n import _
 
 
 def _check(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(_("{name}: expected a torch.Tensor, got {type}", name=name,
+                          type=type(tensor).__name__))
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:

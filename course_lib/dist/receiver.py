@@ -102,9 +102,11 @@ class Receiver:
         if req.buffer.dtype == dtype and tuple(req.buffer.shape) == shape:
             return None
         peer = self.peer
-        return peer.error(req.what.name, "recv from", (
-            f"message mismatch (tag {tag}): rank {peer.peer_rank} sent {dtype} {list(shape)}, "
-            f"rank {peer.rank} expects {req.buffer.dtype} {list(req.buffer.shape)}"))
+        return peer.error(req.what.name, "recv from", _(
+            "message mismatch (tag {tag}): rank {peer} sent {dtype} {shape}, rank {rank} expects "
+            "{want_dtype} {want_shape}", tag=tag, peer=peer.peer_rank, dtype=dtype,
+            shape=list(shape), rank=peer.rank, want_dtype=req.buffer.dtype,
+            want_shape=list(req.buffer.shape)))
 
     # --- reading ------------------------------------------------------------------------
 
