@@ -83,9 +83,12 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
         print(f"course.py lab --lang: choose one of {', '.join(LOCALES)}")
         return 2
     folder = "notebooks" if lang == "en" else f"notebooks/{lang}"
+    if any(a.startswith(("--ServerApp.root_dir", "--notebook-dir")) for a in rest):
+        folder = None  # the caller's folder (the browser test serves solutions beside lessons)
     env = dict(env, COURSE_LANG=lang, JUPYTERLAB_SETTINGS_DIR=str(lab_settings(lang)))
     root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
-    return run(BIN / "jupyter", "lab", f"--ServerApp.root_dir={folder}", *root, *rest, env=env)
+    where = [f"--ServerApp.root_dir={folder}"] if folder else []
+    return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
 
 
 def main(argv: list[str]) -> int:
