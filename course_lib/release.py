@@ -26,12 +26,7 @@ TOP_LEVEL = ("README.md", "README.es.md", "docs/glossary.es.md", "pyproject.toml
 SKIP = ("__pycache__", ".egg-info", ".ipynb_checkpoints")
 # Regions whose code the bundle still ships, with why: each is a defect to mend, not a licence.
 # The release prints them; tests/test_release.py fails when this list and the bundle disagree.
-KNOWN_GAPS = {
-    "02_collectives.ipynb, cell 40": (
-        "tree_all_reduce's recursive doubling is also the library's _all_reduce_tree, which the "
-        "scratch backend runs from lesson 00 on, and which notebook 02 shows after the "
-        "exercise; mend: make lesson 02's exercises the library's collectives"),
-}
+KNOWN_GAPS: dict[str, str] = {}
 STUB_HEADER = (STUDENT_HEADER + " from {notebook}: the exercise regions are stubs; your own "
                "lesson fills them (see course_lib.overlay).\n")
 

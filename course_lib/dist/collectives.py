@@ -293,32 +293,53 @@ def _all_reduce_ring(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int
     _wait(sends)
 
 
+def _power_of_two_below(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def _fold_in(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
+             name: str) -> int | None:
+    """Shrink a group that is not a power of two p' before recursive doubling or halving: of
+    the first 2(p - p') ranks each even one hands its data to the odd one after it, which
+    reduces it in. Returns this rank's index among the p' ranks that go on (None: sits out)."""
+    extra = g.size - _power_of_two_below(g.size)
+    if g.rank >= 2 * extra:
+        return g.rank - extra
+    if g.rank % 2 == 0:
+        g.send(flat, g.rank + 1, tag, name)
+        return None
+    g.recv(flat, g.rank - 1, tag, name, combine=reducer(op))
+    return g.rank // 2
+
+
+def _fold_out(g: ProcessGroup, flat: torch.Tensor, tag: int, name: str) -> None:
+    """After `_fold_in`: each odd rank of the first 2(p - p') gives its even one the result."""
+    if g.rank < 2 * (g.size - _power_of_two_below(g.size)):
+        if g.rank % 2:
+            g.send(flat, g.rank - 1, tag, name)
+        else:
+            g.recv(flat, g.rank + 1, tag, name)
+
+
+def _group_rank(index: int, p: int) -> int:
+    """The group rank of the `index`-th of the ranks that `_fold_in` keeps going."""
+    extra = p - _power_of_two_below(p)
+    return index * 2 + 1 if index < extra else index + extra
+
+
 def _all_reduce_tree(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
                      name: str) -> None:
     """Recursive doubling: lg p exchanges of the whole tensor; extra ranks fold in and out."""
-    p, r = g.size, g.rank
-    pof2 = 1 << (p.bit_length() - 1)
-    extra = p - pof2  # ranks 0..2*extra-1 pair up: evens hand their data to the odd neighbour
-    tmp = torch.empty_like(flat)
-    if r < 2 * extra and r % 2 == 0:
-        g.send(flat, r + 1, tag, name)
-        g.recv(flat, r + 1, tag, name)
-        return
-    if r < 2 * extra:
-        g.recv(tmp, r - 1, tag, name)
-        reduce_(flat, tmp, op)
-    vrank = r // 2 if r < 2 * extra else r - extra
-    mask = 1
-    while mask < pof2:
-        vpeer = vrank ^ mask
-        peer_rank = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
-        work = g.isend(flat, peer_rank, tag, name)
-        g.recv(tmp, peer_rank, tag, name)
-        work.wait()
-        reduce_(flat, tmp, op)  # a (op) b == b (op) a bit for bit, so both sides agree
-        mask <<= 1
-    if r < 2 * extra:
-        g.send(flat, r - 1, tag, name)
+    index = _fold_in(g, flat, op, tag, name)
+    if index is not None:
+        incoming = torch.empty_like(flat)
+        for k in range(_power_of_two_below(g.size).bit_length() - 1):
+            partner = _group_rank(index ^ (1 << k), g.size)
+            work = g.isend(flat, partner, tag, name)
+            g.recv(incoming, partner, tag, name)
+            work.wait()
+            reduce_(flat, incoming, op)  # a (op) b == b (op) a bit for bit, so both sides agree
+    _fold_out(g, flat, tag, name)
 
 
 def _all_reduce_naive(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
@@ -338,20 +359,16 @@ def _all_reduce_rabenseifner(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, 
     """Reduce-scatter by recursive halving, then all-gather by recursive doubling (Rabenseifner):
     2 lg p messages, like the tree in count, moving 2(p-1)/p n bytes, like the ring in volume.
     Extra ranks beyond a power of two fold in and out as in the tree."""
-    p, r = g.size, g.rank
-    pof2 = 1 << (p.bit_length() - 1)
-    extra = p - pof2
-    if r < 2 * extra and r % 2 == 0:
-        g.send(flat, r + 1, tag, name)
-        g.recv(flat, r + 1, tag, name)
-        return
-    if r < 2 * extra:
-        g.recv(flat, r - 1, tag, name, combine=reducer(op))
-    vrank = r // 2 if r < 2 * extra else r - extra
+    index = _fold_in(g, flat, op, tag, name)
+    if index is not None:
+        _halve_then_double(g, flat, op, tag, name, index)
+    _fold_out(g, flat, tag, name)
 
-    def real(v: int) -> int:
-        return v * 2 + 1 if v < extra else v + extra
 
+def _halve_then_double(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int, name: str,
+                       index: int) -> None:
+    """Rabenseifner's two phases among the p' ranks that go on, this one the `index`-th."""
+    pof2 = _power_of_two_below(g.size)
     bounds = [0]
     for chunk in flat.tensor_split(pof2):
         bounds.append(bounds[-1] + chunk.numel())
@@ -359,25 +376,24 @@ def _all_reduce_rabenseifner(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, 
     mask = pof2 // 2
     while mask > 0:
         mid = (lo + hi) // 2
-        keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
+        keep, give = ((mid, hi), (lo, mid)) if index & mask else ((lo, mid), (mid, hi))
         kept = flat[bounds[keep[0]]:bounds[keep[1]]]
-        work = g.isend(flat[bounds[give[0]]:bounds[give[1]]], real(vrank ^ mask), tag, name)
-        g.recv(kept, real(vrank ^ mask), tag, name, combine=reducer(op))  # not being sent
+        partner = _group_rank(index ^ mask, g.size)
+        work = g.isend(flat[bounds[give[0]]:bounds[give[1]]], partner, tag, name)
+        g.recv(kept, partner, tag, name, combine=reducer(op))  # not being sent
         work.wait()
         lo, hi = keep
         mask >>= 1
     mask = 1
     while mask < pof2:  # all-gather: swap windows with the partner, each window doubles
         size = hi - lo
-        other = (lo - size, lo) if vrank & mask else (hi, hi + size)
-        peer_rank = real(vrank ^ mask)
-        work = g.isend(flat[bounds[lo]:bounds[hi]], peer_rank, tag, name)
-        g.recv(flat[bounds[other[0]]:bounds[other[1]]], peer_rank, tag, name)
+        other = (lo - size, lo) if index & mask else (hi, hi + size)
+        partner = _group_rank(index ^ mask, g.size)
+        work = g.isend(flat[bounds[lo]:bounds[hi]], partner, tag, name)
+        g.recv(flat[bounds[other[0]]:bounds[other[1]]], partner, tag, name)
         work.wait()
         lo, hi = min(lo, other[0]), max(hi, other[1])
         mask <<= 1
-    if r < 2 * extra:
-        g.send(flat, r - 1, tag, name)
 
 
 _ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive,
