@@ -5,8 +5,8 @@ current language, which is `language(...)`'s while one is active (the grader set
 submission's), else `$COURSE_LANG`, else that of the notebook the kernel runs, else English. Catalogues are edited with the ordinary
 tools (Poedit, Weblate, `msgmerge`); an entry that is fuzzy or untranslated falls back to
 English. The package's own messages live in `course_lib/locale/LANG/course_lib.po`, extracted
-from the code by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal
-and every exercise's `hint=`).
+from the code by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal,
+every exercise's `hint=` and every case's `label=`).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def fields_of(text: str) -> set[str]:
 
 
 def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
-    """{message: [where, ...]} of every `_("...")` and `N_("...")` call and `hint="..."` keyword
-    in the package."""
+    """{message: [where, ...]} of every `_("...")` and `N_("...")` call and every exercise's
+    `hint="..."` and case `label="..."` in the package."""
     found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -122,6 +122,10 @@ def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
                     and node.func.id in ("_", "N_") and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 texts.append(node.args[0].value)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "case":
+                texts += [kw.value.value for kw in node.keywords if kw.arg == "label"
+                          and isinstance(kw.value, ast.Constant)
+                          and isinstance(kw.value.value, str)]
             if isinstance(node, ast.keyword) and node.arg == "hint" and \
                     isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
                 texts.append(node.value.value)
@@ -150,8 +154,12 @@ def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
             changed.append(f"new: {text[:60]}")
         entry.obsolete = False
         entry.occurrences = [(w.rsplit(":", 1)[0], w.rsplit(":", 1)[1]) for w in where]
-    for entry in po:
+    for entry in list(po):
         if entry.msgid not in messages and not entry.obsolete:
+            if not entry.msgstr:  # never translated: nothing to keep for its return
+                po.remove(entry)
+                changed.append(f"removed: {entry.msgid[:60]}")
+                continue
             entry.obsolete = True
             changed.append(f"obsolete: {entry.msgid[:60]}")
     po_path.parent.mkdir(parents=True, exist_ok=True)

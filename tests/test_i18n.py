@@ -89,3 +89,12 @@ def test_the_flight_recorder_explains_a_hang_in_spanish():
             "el rank 1 la completó; el rank 2 completó por última vez la #2 y no está en "
             "ninguna colectiva (no ha llamado a la #3); el rank 3 no respondió (quizá su "
             "proceso ya no existe)")
+
+
+def test_the_check_table_s_case_labels_in_spanish():
+    from course_lib.grading.catalogue import get_exercise
+
+    ex = get_exercise("lesson03.shard_indices")
+    assert ex.cases[0].describe(ex.function) == "12 samples, 3 ranks, rank 1, in order"
+    with i18n.language("es"):
+        assert ex.cases[0].describe(ex.function) == "12 muestras, 3 ranks, rank 1, en orden"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from course_lib.grading.compare import show
+from course_lib.i18n import _
 
 _NAME = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*$")
 _NOTSET = object()
@@ -75,7 +76,7 @@ class Case:
     def describe(self, fn_name: str) -> str:
         """How the case reads in a report, e.g. `shard_sum(rank, world_size, 10)`."""
         if self.label:
-            return self.label
+            return _(self.label)  # labels are in the package's catalogue (i18n.extract)
         parts = [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()]
         text = f"{fn_name}({', '.join(parts)})"
         return text if len(text) <= 60 else text[:57] + "..."
