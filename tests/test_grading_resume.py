@@ -66,14 +66,20 @@ def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
                "--exercises", str(FIXTURES / "exercises_97.py"), "--source", str(FIXTURES),
                "--resume"]
     env = dict(os.environ, **{TAG: uuid.uuid4().hex})
-    # seconds after each start: while it starts, runs a kernel, writes results (about 3 s each)
-    moments = [random.Random(17 + k).uniform(2.0, 10.0) for k in range(4)]
-    seen = []
+    # Each run is killed at a random moment once the students graded so far (by every run) reach
+    # a count: while it starts, runs a kernel or writes results; on a slow machine as on a
+    # fast one the kills land at different submissions (a fixed clock once let all four land
+    # before the first result).
+    rng, seen = random.Random(17), []
     try:
-        for moment in moments:
+        for graded_before in (0, 1, 3, 3):
             run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
-            time.sleep(moment)
+            deadline = time.monotonic() + 120
+            while (len(_whole(out)) < 2 * graded_before and run.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.5, 3.0))
             run.send_signal(signal.SIGKILL)
             run.wait(timeout=30)
             seen.append(len(_whole(out)))
