@@ -165,9 +165,12 @@ def _wait_for_an_idle_kernel(base: str, timeout: float = 90) -> None:
     with the language)."""
     deadline = time.monotonic() + timeout
     while True:
-        with urllib.request.urlopen(f"{base}/api/kernels?token={TOKEN}", timeout=10) as r:
-            if any(k["execution_state"] == "idle" for k in json.load(r)):
-                return
+        try:
+            with urllib.request.urlopen(f"{base}/api/kernels?token={TOKEN}", timeout=10) as r:
+                if any(k["execution_state"] == "idle" for k in json.load(r)):
+                    return
+        except OSError:  # the server answered 500 once while the kernel was starting
+            pass
         assert time.monotonic() < deadline, f"no kernel became idle within {timeout}s"
         time.sleep(0.5)
 
