@@ -97,6 +97,9 @@ def main(argv: list[str]) -> int:
         "test": "install, then run the whole test suite (extra args go to pytest; --quick: "
                 "the tests that start no engines, kernels or servers, and no notebooks)",
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",
+        "engines": "start engines here that join a notebook's cluster on another machine: "
+                   "engines COUNT --file ipcontroller-engine.json (README, More than one "
+                   "machine)",
         "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
         "export": "write a lesson you completed into your own course_lib: export 04 (--status)",
         "release": "write the student bundle, without solutions, into a new folder: release DIR",
@@ -134,6 +137,11 @@ def main(argv: list[str]) -> int:
         return code
     if command == "build":
         return run(PY, "-m", "course_lib.build", *rest)
+    if command == "engines":  # the connection file is named from where the user stands
+        rest = [f"--file={os.path.abspath(a[7:])}" if a.startswith("--file=") else
+                os.path.abspath(a) if i and rest[i - 1] == "--file" else a
+                for i, a in enumerate(rest)]
+        return run(PY, "-m", "course_lib.cluster.join", *rest, env=env)
     if command == "export":
         # not `-m course_lib.overlay`: the package imports that module before it could run
         return run(PY, "-c", "import sys; from course_lib.overlay import main; "

@@ -11,6 +11,8 @@ in CONTRIBUTING.md) and `global_rank(dist, group, r)`; `course_lib.spawn` and
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import socket
 import sys
@@ -110,6 +112,13 @@ def rendezvous(backend: str, addresses: list[tuple[str, int] | None]) -> dict[st
         master_addr, gloo_port = addresses[0]
         return {"master_addr": master_addr, "gloo_port": gloo_port}
     return {}
+
+
+def derive_secret(key: bytes, nonce: bytes) -> bytes:
+    """A scratch secret from a key every rank already holds (ipyparallel's, from its connection
+    file) and a fresh nonce: the cluster sends only the nonce, so the secret never crosses the
+    network."""
+    return hmac.new(key, b"course_lib.dist secret\0" + nonce, hashlib.sha256).digest()
 
 
 def init(backend: str, rank: int, world_size: int, *, timeout: float,

@@ -141,7 +141,8 @@ def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
     vanished ones obsolete. Returns what changed, one line each."""
     import polib
 
-    po = polib.pofile(str(po_path)) if po_path.exists() else polib.POFile()
+    po = (polib.pofile(str(po_path), wrapwidth=0) if po_path.exists()
+          else polib.POFile(wrapwidth=0))
     po.metadata = po.metadata or {"Content-Type": "text/plain; charset=UTF-8",
                                   "Language": po_path.parent.name}
     known = {e.msgid: e for e in po}

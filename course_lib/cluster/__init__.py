@@ -7,7 +7,8 @@ and the error names it. Every process started here is ended by PID when the clus
 errors, on KeyboardInterrupt and at interpreter exit.
 
 Parts: `client` (`start`, `Cluster`: what a notebook calls), `engine` (what each engine runs
-to become a rank, and where the `%%px` globals come from), `errors`.
+to become a rank, and where the `%%px` globals come from), `join` (engines that join from
+another machine: `course.py engines`), `errors`.
 """
 
 from course_lib.backend import BACKENDS, DEFAULT_BACKEND

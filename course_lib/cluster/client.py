@@ -59,9 +59,9 @@ def _launched(ipp_cluster: Any) -> list:
             for sub in getattr(launcher, "launchers", {}).values() or [launcher]]
 
 
-def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict) -> Any:
-    """An ipyparallel Cluster of `n` engines (not started): quiet, loopback for local engines,
-    stopped at exit; `ipp_kwargs` override."""
+def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any:
+    """An ipyparallel Cluster of `n` engines (not started): quiet, loopback for local engines
+    unless others join from other hosts, stopped at exit; `ipp_kwargs` override."""
     import ipyparallel as ipp
 
     if engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
@@ -73,9 +73,14 @@ def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict) -> Any:
                   # a start is 3 s shorter and a silent engine is still given 30 s.
                   controller_args=["--HeartMonitor.period=1000",
                                    "--HeartMonitor.max_heartmonitor_misses=30"])
-    if engines == "local":
+    if engines == "local" and not joining:
         kwargs["controller_ip"] = "127.0.0.1"
-    return ipp.Cluster(**{**kwargs, **ipp_kwargs})
+    extra = list(ipp_kwargs.get("controller_args", []))  # e.g. "--IPController.ports=..."
+    return ipp.Cluster(**{**kwargs, **ipp_kwargs,
+                          "controller_args": kwargs["controller_args"] + extra})
+
+
+PROBE_SECONDS = 1.0  # how often a rank on another host is checked for a live listener
 
 
 def _watchdog(recorded: list) -> dict:
@@ -91,32 +96,43 @@ def _describe(exc: BaseException) -> str:
     return f"{ename}: {evalue}"
 
 
-def _dead_ranks(futures: list, infos: list[dict]) -> dict[int, str]:
-    """Ranks whose engine died: reported so by ipyparallel, or its local process gone."""
+def _dead_ranks(futures: list, infos: list[dict],
+                probe: dict[int, tuple[str, int]] | None = None) -> dict[int, str]:
+    """Ranks whose engine died: reported so by ipyparallel, its local process gone, or (ranks of
+    `probe`, on other hosts, while their call is pending) its listening port refusing."""
+    if probe:
+        from course_lib.dist.transport import is_listening  # scratch ranks only
     dead = {}
     local = socket.gethostname()
     for rank, info in enumerate(infos):
         f = futures[rank] if rank < len(futures) else None
         exc = f.exception() if f is not None and f.ready() else None
         if exc is not None and "EngineError" in (type(exc).__name__, getattr(exc, "ename", "")):
-            dead[rank] = f"engine died ({_describe(exc)})"
+            dead[rank] = f"engine {info['pid']} on {info['host']} died ({_describe(exc)})"
         elif info["host"] == local and not running(info["pid"]):
             dead[rank] = f"engine process {info['pid']} died"
+        elif (probe and rank in probe and f is not None and not f.ready()
+              and not is_listening(probe[rank], PROBE_SECONDS)):
+            dead[rank] = (f"engine {info['pid']} on {info['host']} is gone (its port "
+                          f"{probe[rank][1]} refuses connections)")
     return dead
 
 
 def start(n: int = 4, *, backend: str | None = None, engines: str = "local",
-          timeout: float = 60.0, run_timeout: float = 300.0, **ipp_kwargs: Any) -> "Cluster":
+          timeout: float = 60.0, run_timeout: float = 300.0, joining: int = 0,
+          **ipp_kwargs: Any) -> "Cluster":
     """Start `n` engines with ranks 0..n-1 and the `backend` process group on each.
 
     `timeout` bounds start-up and the process group's blocking operations; `run_timeout` is
     the default limit of `Cluster.run`. `engines` picks the ipyparallel launcher ("local",
     "mpi", "ssh", "slurm", ...); extra keyword arguments go to `ipyparallel.Cluster`. The
-    default backend is "scratch" (`course_lib.backend.default_backend`).
+    default backend is "scratch" (`course_lib.backend.default_backend`). With `joining=k`,
+    only n-k engines start here and k join from other machines (`python3 course.py engines`,
+    see the README); `controller_ip` must then be an address they reach.
     """
     backend = backends.default_backend() if backend is None else backend
     cluster = Cluster(n, backend=backend, engines=engines, timeout=timeout,
-                      run_timeout=run_timeout, **ipp_kwargs)
+                      run_timeout=run_timeout, joining=joining, **ipp_kwargs)
     cluster._start()
     return cluster
 
@@ -125,13 +141,21 @@ class Cluster:
     """A running set of ranked engines. Use as a context manager so it always stops."""
 
     def __init__(self, n: int, *, backend: str, engines: str, timeout: float,
-                 run_timeout: float, **ipp_kwargs: Any):
+                 run_timeout: float, joining: int = 0, **ipp_kwargs: Any):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive number of engines, got {n!r}")
         backends.check_backend(backend, engines)
         if not (timeout > 0 and run_timeout > 0):
             raise ValueError("timeout and run_timeout must be positive seconds")
+        if isinstance(joining, bool) or not isinstance(joining, int) or not 0 <= joining <= n:
+            raise ValueError(f"joining must be a number of engines from 0 to n={n}, "
+                             f"got {joining!r}")
+        if joining and ipp_kwargs.get("controller_ip", "127.0.0.1").startswith("127."):
+            raise ValueError("engines joining from other machines need controller_ip: an "
+                             "address of this machine that they reach (or \"0.0.0.0\" with "
+                             "controller_location)")
         self.world_size, self.backend, self.engines = n, backend, engines
+        self.joining = joining
         self.timeout, self.run_timeout = float(timeout), float(run_timeout)
         self._ipp_kwargs = ipp_kwargs
         self._ipp = self._client = self._view = None
@@ -148,11 +172,17 @@ class Cluster:
         self._stopped = False
         _LIVE.add(self)
         try:
-            self._ipp = _ipp_cluster(self.world_size, self.engines, self._ipp_kwargs)
-            self._ipp.start_cluster_sync()
+            self._ipp = _ipp_cluster(self.world_size - self.joining, self.engines,
+                                     self._ipp_kwargs, self.joining)
+            if self.world_size > self.joining:
+                self._ipp.start_cluster_sync()
+            else:
+                self._ipp.start_controller_sync()
             for proc in _launched(self._ipp):
                 self._procs.add(proc)
             self._client = self._ipp.connect_client_sync()
+            if self.joining:
+                print(self.join_instructions(), flush=True)
             try:
                 self._client.wait_for_engines(self.world_size, timeout=self.timeout,
                                               interactive=False)
@@ -193,18 +223,47 @@ class Cluster:
         if _in_ipython():
             self._view.activate()  # %%px now runs on these ranks
 
+    def join_instructions(self) -> str:
+        """What to run on the other machines so that the joining engines arrive."""
+        path = os.path.join(self._ipp.profile_dir, "security",
+                            f"ipcontroller-{self._ipp.cluster_id}-engine.json")
+        return _("waiting {limit}s for {k} engine(s) from other machines: copy {path} to each "
+                 "(scp: it holds the cluster's key) and run there: python3 course.py engines "
+                 "COUNT --file ipcontroller-engine.json", limit=f"{self.timeout:g}",
+                 k=self.joining, path=path)
+
+    def _location(self) -> str | None:
+        """The controller's address as other hosts see it; None when every engine is local
+        (ranks then talk over loopback)."""
+        if self.engines == "local" and not self.joining:
+            return None
+        where = self._ipp_kwargs.get("controller_location") or self._ipp_kwargs.get(
+            "controller_ip", "")
+        return "" if where in ("0.0.0.0", "*") else where
+
+    def _remote(self) -> list[int]:
+        """Ranks whose engine runs on another host."""
+        local = socket.gethostname()
+        return [r for r, info in enumerate(self._info) if info["host"] != local]
+
     def _on_all(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
         """Start `fn` on every rank's engine; one future per rank."""
         return [self._client[eid].apply_async(fn, *args, **kwargs) for eid in self._ids]
 
     def _init_process_group(self) -> None:
         """The rendezvous of `course_lib.backend`: addresses from the ranks, then init."""
-        timeout, loopback = self.timeout, self.engines == "local"
-        addresses = self._gather(self._on_all(engine.prepare_backend, self.backend, loopback),
+        timeout = self.timeout
+        addresses = self._gather(self._on_all(engine.prepare_backend, self.backend,
+                                              self._location()),
                                  "opening listening sockets", timeout)
         kwargs = backends.rendezvous(self.backend, addresses)
-        self._rendezvous = kwargs
-        self._gather(self._on_all(engine.init_backend, self.backend, timeout, **kwargs),
+        self._rendezvous, sent = kwargs, kwargs
+        key = self._client.session.key
+        if "secret" in kwargs and key:
+            nonce = os.urandom(16)
+            self._rendezvous = {**kwargs, "secret": backends.derive_secret(key, nonce)}
+            sent = {**kwargs, "secret": None, "nonce": nonce}
+        self._gather(self._on_all(engine.init_backend, self.backend, timeout, **sent),
                      f"initializing the {self.backend!r} process group", timeout + 10)
 
     def restart(self) -> "Cluster":
@@ -245,6 +304,10 @@ class Cluster:
             self._procs.add(proc)
         if self._client is not None:
             try:
+                self._shut_down_remote()
+            except Exception as exc:  # noqa: BLE001 - they also leave when heartbeats stop
+                log.debug("shutting down remote engines: %s", exc)
+            try:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing sockets only
                 pass
@@ -258,6 +321,18 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 - the processes are already gone
                 log.debug("ipyparallel stop: %s", exc)
         self._client = self._view = self._ipp = None
+
+    def _shut_down_remote(self, wait: float = 3.0) -> None:
+        """Ask the live engines on other hosts to exit (their `course.py engines` then exits
+        too), and wait until they unregister: ending the controller sooner would drop the
+        request."""
+        remote = {self._ids[r] for r in self._remote()} & set(self._client.ids)
+        if not remote:
+            return
+        self._client.shutdown(targets=sorted(remote), block=False)
+        deadline = time.monotonic() + wait
+        while remote & set(self._client.ids) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
 
     def __enter__(self) -> "Cluster":
         return self
@@ -327,11 +402,17 @@ class Cluster:
     def _gather(self, futures: list, what: str, limit: float) -> list[Any]:
         """Wait for one future per rank within `limit` seconds; raise naming failing ranks."""
         deadline = time.monotonic() + limit
+        addresses = self._rendezvous.get("addresses")
+        probe = {r: addresses[r] for r in self._remote()} if addresses else {}
+        next_probe = time.monotonic() + PROBE_SECONDS
         while (pending := [f for f in futures if not f.ready()]):
-            if time.monotonic() > deadline or _dead_ranks(futures, self._info):
+            now = time.monotonic()
+            if now > deadline or _dead_ranks(futures, self._info,
+                                              probe if now >= next_probe else None):
                 break
+            next_probe = now + PROBE_SECONDS if now >= next_probe else next_probe
             pending[0].wait(POLL_SECONDS)
-        dead = _dead_ranks(futures, self._info)
+        dead = _dead_ranks(futures, self._info, probe)
         if dead:
             self._dead.update(dead)
             self._interrupt([r for r, f in enumerate(futures) if not f.ready()], futures)

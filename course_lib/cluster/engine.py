@@ -78,15 +78,44 @@ def watch_client(client_pid: int, client_created: float, pids: list[Recorded],
             os._exit(1)
 
 
-def prepare_backend(backend: str, loopback: bool) -> tuple[str, int] | None:
+def address_toward(location: str) -> str:
+    """This host's address on the route to `location` (the interface other hosts reach us on),
+    or its host name when there is no route or no location."""
+    if location:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((location, 9))  # UDP: picks the route, sends nothing
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostname()
+
+
+def prepare_backend(backend: str, location: str | None) -> tuple[str, int] | None:
     """The address this rank offers for the rendezvous (`course_lib.backend.prepare`): on
-    loopback when every engine is on this machine, else on this host's name."""
-    host = "127.0.0.1" if loopback else socket.gethostname()
+    loopback when every engine is on this machine (`location` None), else on the interface
+    that routes toward the controller's `location`."""
+    host = "127.0.0.1" if location is None else address_toward(location)
     return backends.prepare(backend, _STATE["rank"], host)
 
 
-def init_backend(backend: str, timeout: float, **kwargs: Any) -> None:
-    """Join the process group once every rank's address is known; `%%px` then sees `dist`."""
+def _session_key() -> bytes:
+    """ipyparallel's key, from this engine's connection file (never sent by the client)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    key = getattr(getattr(getattr(shell, "kernel", None), "session", None), "key", b"")
+    if not key:
+        raise RuntimeError("this engine has no ipyparallel key to derive the secret from")
+    return key
+
+
+def init_backend(backend: str, timeout: float, nonce: bytes | None = None,
+                 **kwargs: Any) -> None:
+    """Join the process group once every rank's address is known; `%%px` then sees `dist`.
+    With `nonce`, the scratch secret is derived here from ipyparallel's key."""
+    if nonce is not None:
+        kwargs["secret"] = backends.derive_secret(_session_key(), nonce)
     backends.init(backend, _STATE["rank"], _STATE["world_size"], timeout=timeout, **kwargs)
     _STATE["backend"] = backend
     install_globals(backend)

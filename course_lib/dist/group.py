@@ -247,10 +247,13 @@ _detail = flight.detail_from_env()
 
 def flight_record() -> dict:
     """This rank's flight record: every group's last collectives, as plain data."""
-    rank = _world.transport.rank if _world is not None else None
-    return {"rank": rank, "groups": {str(g.id): {"ranks": g.ranks, "description": g.description,
-                                                 "entries": g.recorder.snapshot()}
-                                     for g in _groups}}
+    transport = _world.transport if _world is not None else None
+    return {"rank": None if transport is None else transport.rank,
+            "groups": {str(g.id): {"ranks": g.ranks, "description": g.description,
+                                   "entries": g.recorder.snapshot()} for g in _groups},
+            "links": {} if transport is None else {str(r): p.kind()
+                                                   for r, p in sorted(transport.peers.items())},
+            "rejected": [] if transport is None else list(transport.listener.rejected)}
 
 
 def set_debug_level(level: str) -> None:

@@ -41,6 +41,13 @@ class Peer:
         self.receiver = Receiver(self, sock, shm_in)
         self.sender = Sender(self, sock.dup(), shm_out)  # reader and writer each own a timeout
 
+    def kind(self) -> str:
+        """How this link carries data: "shm+ring", "shm" (large payloads) or "tcp"."""
+        region = self.sender.region
+        if region is None:
+            return "tcp"
+        return "shm+ring" if region.ring else "shm"
+
     def isend(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
               blocking: bool = False) -> Work:
         return self.sender.isend(tensor, tag, name, deadline, blocking)

@@ -9,8 +9,10 @@ thread answers it with this rank's record as JSON, whatever the rank's main thre
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -29,6 +31,39 @@ SOCKET_BUFFER = 4 << 20  # bytes; Linux doubles it, capped by net.core.[rw]mem_m
 HANDSHAKE_TIMEOUT = 10.0  # an intruder that sends nothing holds one handshake thread this long
 RECORD_TAG = ABORT_TAG + 1  # the frame answering a flight-record query: JSON bytes
 MAX_RECORD_BYTES = 16 << 20
+PING = b"CDSTPING"  # "is this rank still listening?": answered by closing, not logged
+PORTS_ENV = "COURSE_DIST_PORTS"  # "29500-29599": listen within this range (a firewall's hole)
+
+
+def port_range() -> range | None:
+    """The ports `COURSE_DIST_PORTS` allows ("lo-hi", inclusive), or None for any free port."""
+    spec = os.environ.get(PORTS_ENV, "").strip()
+    if not spec:
+        return None
+    try:
+        lo, hi = (int(p) for p in spec.split("-"))
+    except ValueError:
+        lo = hi = -1
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORTS_ENV} must be two ports 'lo-hi', got {spec!r}")
+    return range(lo, hi + 1)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on `port`, or (port 0) on a free port of `COURSE_DIST_PORTS` if set."""
+    ports = port_range() if port == 0 else None
+    for candidate in ports or [port]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+            sock.listen(128)  # with SO_REUSEADDR, two binds can race: listen is the test
+            return sock
+        except OSError:
+            sock.close()
+            if ports is None:
+                raise
+    raise OSError(f"no free port in {PORTS_ENV}={os.environ[PORTS_ENV]} on {host}")
 
 
 def _tune(sock: socket.socket) -> socket.socket:
@@ -43,26 +78,28 @@ class Listener:
     """This rank's listening socket (opened by `dist.listen` before the addresses are shared)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(128)
+        self.sock = _listening_socket(host, port)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self._thread: threading.Thread | None = None
         self._closed = False
+        # the last connections turned away, "host:port: why" (the flight record shows them)
+        self.rejected: collections.deque[str] = collections.deque(maxlen=16)
 
     def start(self, secret: bytes, rank: int, world_size: int, timeout: float,
               on_peer: Callable[[int, socket.socket, float], None]) -> None:
         """Accept in a background thread; each connection is authenticated in its own thread."""
         def handshake(conn: socket.socket, addr) -> None:
             try:
+                conn.settimeout(min(timeout, HANDSHAKE_TIMEOUT))
+                if conn.recv(len(PING), socket.MSG_PEEK) == PING:  # `is_listening`: no rank
+                    conn.close()
+                    return
                 conn.settimeout(None)
                 deadline = time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT)
                 peer_rank = server_handshake(conn, secret, rank, world_size, deadline)
                 on_peer(peer_rank, _tune(conn), deadline)
             except (ProtocolError, OSError) as exc:
-                log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2],
-                            exc or type(exc).__name__)
+                self.reject(addr, exc or type(exc).__name__, rank)
                 conn.close()
 
         def accept_loop() -> None:
@@ -80,6 +117,11 @@ class Listener:
         self._thread = threading.Thread(target=accept_loop, daemon=True,
                                         name=f"dist-listener-{rank}")
         self._thread.start()
+
+    def reject(self, addr, why: object, rank: int) -> None:
+        """Note and log a connection turned away."""
+        self.rejected.append(f"{addr[0]}:{addr[1]}: {why}")
+        log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2], why)
 
     def close(self) -> None:
         self._closed = True
@@ -102,6 +144,19 @@ def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.02)
+
+
+def is_listening(address: tuple[str, int], timeout: float = 1.0) -> bool:
+    """False when `address` refuses connections: the rank that listened there is gone (its
+    host answered for it). Unreachable or slow is not proof of death: True."""
+    try:
+        with socket.create_connection(tuple(address), timeout=timeout) as sock:
+            sock.sendall(PING)
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def query_record(address: tuple[str, int], secret: bytes, as_rank: int, peer_rank: int,
@@ -180,8 +235,12 @@ class Transport:
             self._answer(sock, deadline)
             return
         if not expected:
-            log.warning("rank %d: rejected an authenticated but unexpected connection claiming "
-                        "rank %d", self.rank, peer_rank)
+            try:
+                addr = sock.getpeername()
+            except OSError:
+                addr = ("?", "?")
+            self.listener.reject(addr, "authenticated but unexpected, claiming "
+                                 f"rank {peer_rank}", self.rank)
             sock.close()
             return
         self._add(peer_rank, sock, deadline)
