@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def leftover_processes() -> list[psutil.Process]:
     """Processes other than this one that carry this session's (or worker's) marker.
 
-    multiprocessing's resource tracker is exempt: it lives until this process exits, by design.
+    multiprocessing's resource tracker and fork server (`course_lib.spawn` forks ranks from it)
+    are exempt: they live until this process exits, by design; the ranks they forked are not.
     """
     token, me, found = os.environ[MARKER], os.getpid(), []
     for proc in psutil.process_iter(["pid"]):
@@ -66,7 +67,9 @@ def leftover_processes() -> list[psutil.Process]:
             mark = proc.environ().get(MARKER) or ""
             if mark != token and not mark.startswith(f"{token}-"):
                 continue
-            if proc.ppid() == me and "multiprocessing.resource_tracker" in " ".join(proc.cmdline()):
+            cmdline = " ".join(proc.cmdline())
+            if proc.ppid() == me and ("multiprocessing.resource_tracker" in cmdline
+                                      or "multiprocessing.forkserver" in cmdline):
                 continue
             found.append(proc)
         except psutil.Error:
