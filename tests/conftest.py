@@ -107,6 +107,9 @@ def scratch_cluster_4():
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from course_lib.cluster import zygote
+
+    zygote.stop()  # it lives as long as this process, like the fork server; end it now
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     left = psutil.wait_procs(leftover_processes(), timeout=5)[1]

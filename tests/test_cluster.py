@@ -170,11 +170,27 @@ def test_processes_end_after_keyboard_interrupt_inside_with():
     assert not alive(pids)
 
 
+def test_engines_are_forked_with_the_clients_environment_of_the_moment(monkeypatch):
+    from course_lib.cluster import zygote
+
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("COURSE_TEST_VALUE", value)
+        with cl.start(2, backend="none") as c:
+            seen.append(c.run(os.environ.get, "COURSE_TEST_VALUE"))
+            server = zygote._zygote.pid
+            assert all(psutil.Process(p).ppid() == server for p in c.pids)  # forked from it
+            assert server not in c.pids
+    assert seen == [["first", "first"], ["second", "second"]]
+
+
 SCRIPT = textwrap.dedent("""
     import sys, time
     from course_lib import cluster
+    from course_lib.cluster import zygote
     c = cluster.start(2, backend="none")
-    print(" ".join(str(pid) for pid, _ in c._procs), flush=True)
+    pids = [pid for pid, _ in c._procs] + [zygote._zygote.pid]  # the zygote must go too
+    print(" ".join(str(pid) for pid in pids), flush=True)
     if sys.argv[1] == "hang":
         time.sleep(3600)
 """)
@@ -184,7 +200,7 @@ def test_processes_end_at_interpreter_exit():
     out = subprocess.run([sys.executable, "-c", SCRIPT, "exit"], capture_output=True, text=True,
                          timeout=120)
     pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) >= 3, out.stderr  # controller + 2 engines at least
+    assert len(pids) >= 4, out.stderr  # controller, 2 engines and the zygote at least
     assert not wait_gone(pids, 10)
 
 
@@ -193,7 +209,7 @@ def test_processes_end_when_the_client_is_killed():
                             text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) >= 3
+        assert len(pids) >= 4
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # no atexit: the engines' watchdog must act
         proc.wait(10)

@@ -8,6 +8,7 @@ restarting ranks that hang. Every process it started is ended by PID (`course_li
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import psutil
 
 from course_lib import backend as backends
-from course_lib.cluster import engine
+from course_lib.cluster import engine, zygote
 from course_lib.cluster.errors import ClusterError, EngineDied, RankError, RankTimeout
 from course_lib.processes import ProcessSet, running
 from course_lib.i18n import _, current
@@ -78,6 +79,15 @@ def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> An
     extra = list(ipp_kwargs.get("controller_args", []))  # e.g. "--IPController.ports=..."
     return ipp.Cluster(**{**kwargs, **ipp_kwargs,
                           "controller_args": kwargs["controller_args"] + extra})
+
+
+def _connection_file_ready(path: str) -> bool:
+    """Whether the controller has written its engine connection file in full."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "key" in json.load(f)
+    except (OSError, ValueError):
+        return False
 
 
 PROBE_SECONDS = 1.0  # how often a rank on another host is checked for a live listener
@@ -174,10 +184,12 @@ class Cluster:
         try:
             self._ipp = _ipp_cluster(self.world_size - self.joining, self.engines,
                                      self._ipp_kwargs, self.joining)
-            if self.world_size > self.joining:
-                self._ipp.start_cluster_sync()
-            else:
+            if self.engines == "local":  # forked from the zygote, torch already imported
                 self._ipp.start_controller_sync()
+                self._procs.add(self._ipp.controller.process)
+                self._fork_engines(self.world_size - self.joining)
+            else:
+                self._ipp.start_cluster_sync()
             for proc in _launched(self._ipp):
                 self._procs.add(proc)
             self._client = self._ipp.connect_client_sync()
@@ -223,10 +235,31 @@ class Cluster:
         if _in_ipython():
             self._view.activate()  # %%px now runs on these ranks
 
+    def _engine_file(self) -> str:
+        """The engine connection file the controller writes (its addresses and key)."""
+        return os.path.join(self._ipp.profile_dir, "security",
+                            f"ipcontroller-{self._ipp.cluster_id}-engine.json")
+
+    def _fork_engines(self, n: int) -> None:
+        """Start `n` local engines from the zygote, once the controller has written where to
+        register; each one's output goes to the profile's log folder, as ipyparallel's own."""
+        path, deadline = self._engine_file(), time.monotonic() + self.timeout
+        while not _connection_file_ready(path):
+            if time.monotonic() > deadline or not self._ipp.controller.running:
+                raise ClusterError(_("the controller did not start within {limit}s",
+                                     limit=f"{self.timeout:g}"))
+            time.sleep(POLL_SECONDS)
+        os.makedirs(os.path.join(self._ipp.profile_dir, "log"), exist_ok=True)
+        argv = [f"--file={path}", f"--profile-dir={self._ipp.profile_dir}",
+                f"--cluster-id={self._ipp.cluster_id}", "--log-level=ERROR"]
+        for i in range(n):
+            log_file = os.path.join(self._ipp.profile_dir, "log",
+                                    f"ipengine-{self._ipp.cluster_id}-{i}.log")
+            self._procs.add(zygote.fork_engine(argv, log_file))
+
     def join_instructions(self) -> str:
         """What to run on the other machines so that the joining engines arrive."""
-        path = os.path.join(self._ipp.profile_dir, "security",
-                            f"ipcontroller-{self._ipp.cluster_id}-engine.json")
+        path = self._engine_file()
         return _("waiting {limit}s for {k} engine(s) from other machines: copy {path} to each "
                  "(scp: it holds the cluster's key) and run there: python3 course.py engines "
                  "COUNT --file ipcontroller-engine.json", limit=f"{self.timeout:g}",

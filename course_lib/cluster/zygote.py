@@ -1,0 +1,121 @@
+"""Local engines forked from one process that has already imported torch and ipyparallel.
+
+An engine started from scratch imports torch again: about 3 s of CPU on a laptop, four engines
+per cluster, a cluster in every lesson and a new one at every restart. The client starts one
+zygote per process, the first time it needs local engines; each request is a JSON line on the
+zygote's stdin (the engine's arguments, environment, folder and log file) and the reply is the
+new engine's PID, a JSON line on its stdout. Nothing is unpickled. The zygote imports no
+course_lib module (those read the environment, which each engine takes from its request) and
+exits when its parent closes the pipe (the client exited, even by SIGKILL); the engines it
+forks belong to the cluster that asked, which ends them by PID.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import traceback
+
+PRELOAD = ("torch", "ipyparallel.engine.app")
+START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
+
+_zygote: subprocess.Popen | None = None
+
+
+def _become_engine(request: dict) -> None:
+    """In the forked child: detach, take the request's stdio, environment and folder, and run
+    ipyparallel's engine; never returns."""
+    code = 1
+    try:
+        os.setsid()  # like ipyparallel's launcher: the client's terminal signals are not ours
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        from ipyparallel.engine.app import IPEngine
+
+        IPEngine.launch_instance(request["argv"])
+        code = 0
+    except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    """The zygote's loop: one engine forked per request line, until stdin closes."""
+    for name in PRELOAD:
+        __import__(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is not for us
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited engines are reaped by the kernel
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _become_engine(request)
+        sys.stdout.write(json.dumps({"pid": pid}) + "\n")
+        sys.stdout.flush()
+
+
+def stop() -> None:
+    """At the client's exit: close the zygote's pipe (it exits), then end it by PID."""
+    global _zygote
+    proc, _zygote = _zygote, None
+    if proc is None:
+        return
+    from course_lib.processes import end_processes, record
+
+    try:
+        proc.stdin.close()
+        proc.wait(2.0)
+    except (OSError, subprocess.TimeoutExpired):
+        end_processes(record(proc.pid, descendants=False), grace=1.0)
+
+
+def _started() -> subprocess.Popen:
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        # run as a script, not with -m: that would import course_lib.cluster (and read the
+        # environment of the moment) into every engine
+        _zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   start_new_session=True, text=True)
+    return _zygote
+
+
+def fork_engine(argv: list[str], log: str, timeout: float = START_TIMEOUT) -> int:
+    """Fork an ipyparallel engine with `argv` (ipengine's arguments), this process's
+    environment and folder, its output appended to `log`; returns its PID."""
+    proc = _started()
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "log": log}
+    try:
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+    except OSError as exc:
+        raise RuntimeError(f"the engine zygote (pid {proc.pid}) is gone: {exc}") from None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        stop()
+        raise RuntimeError(f"the engine zygote (pid {proc.pid}) did not fork an engine within "
+                           f"{timeout:g}s")
+    return int(json.loads(line)["pid"])
+
+
+atexit.register(stop)
+
+if __name__ == "__main__":
+    sys.path[0] = os.getcwd()  # as `python -m` would have it, not this file's folder
+    serve()
