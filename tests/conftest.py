@@ -33,13 +33,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(os.environ["COURSE_LIB_HOME"], True))
 
 
-# Files that take most of a minute or more (tests/README.md's run, longest first), run first: xdist hands whole files (--dist loadfile) to
+# Files that take a minute or more, run first: xdist hands whole files (--dist loadfile) to
 # whichever worker is free, in collection order, so a long file collected last leaves the
 # other worker idle at the end. Notebooks first, the later (longer) lessons before the earlier.
-LONG_FILES = ("test_browser.py", "test_release.py", "test_grading_resume.py", "test_cluster.py",
-              "test_nbgrader.py", "test_grading_cheats.py", "test_grading_batch.py",
-              "test_train.py", "test_lesson04_exercises.py", "test_resume.py", "test_zero.py",
-              "test_pipeline.py", "test_lesson02_exercises.py", "test_lesson07_exercises.py")
+LONG_FILES = ("test_grading_batch.py", "test_browser.py", "test_train.py", "test_resume.py",
+              "test_recovery.py", "test_lesson00_exercises.py", "test_zero.py", "test_cluster.py")
 
 
 def _longest_first(item: pytest.Item) -> tuple[int, int]:
