@@ -186,7 +186,6 @@ class Cluster:
                                      self._ipp_kwargs, self.joining)
             if self.engines == "local":  # forked from the zygote, torch already imported
                 self._ipp.start_controller_sync()
-                self._procs.add(self._ipp.controller.process)
                 self._fork_engines(self.world_size - self.joining)
             else:
                 self._ipp.start_cluster_sync()
