@@ -21,7 +21,7 @@ import subprocess
 import sys
 import traceback
 
-PRELOAD = ("torch", "ipyparallel.engine.app")
+PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app")  # _dynamo: see course_lib.spawn
 START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
 
 _zygote: subprocess.Popen | None = None
