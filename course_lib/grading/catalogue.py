@@ -178,12 +178,14 @@ def load_exercise_file(path: str | os.PathLike) -> None:
 LOAD_ERRORS: dict[str, str] = {}  # exercise module -> why it failed to import
 
 
-def _load_all() -> None:
-    """Import every lesson's exercise module; one broken lesson does not break the others."""
+def _load_all(lesson: str | None = None) -> None:
+    """Import every lesson's exercise module (or only `lesson`'s, e.g. "lesson05", and the
+    extra files); one broken lesson does not break the others."""
     from course_lib.grading import exercises
 
     modules = [f"{exercises.__name__}.{info.name}"
-               for info in pkgutil.iter_modules(exercises.__path__)]
+               for info in pkgutil.iter_modules(exercises.__path__)
+               if lesson is None or info.name == lesson]
     for name in modules + list(filter(None, os.environ.get(EXTRA_ENV, "").split(os.pathsep))):
         if name in LOAD_ERRORS:
             continue
@@ -195,7 +197,11 @@ def _load_all() -> None:
 
 def get_exercise(name: str) -> Exercise:
     """The registered exercise called `name`; a KeyError lists the known ones."""
-    _load_all()
+    # Its own lesson's module first: the others import torch, which a pure-Python lesson's
+    # kernel need not pay for.
+    _load_all(name.split(".")[0])
+    if name not in _REGISTRY:
+        _load_all()
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         broken = "".join(f"; {m} failed to load: {e}" for m, e in sorted(LOAD_ERRORS.items()))
