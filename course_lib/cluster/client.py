@@ -27,7 +27,7 @@ from course_lib.processes import ProcessSet, running
 from course_lib.i18n import _, current
 
 POLL_SECONDS = 0.05
-INTERRUPT_GRACE = 3.0  # seconds a rank gets to unwind after SIGINT before its engines restart
+INTERRUPT_GRACE = 10.0  # seconds a rank gets to unwind after SIGINT before its engines restart
 
 log = logging.getLogger(__name__)
 
