@@ -74,8 +74,12 @@ def _ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> An
                   # a start is 3 s shorter and a silent engine is still given 30 s.
                   controller_args=["--HeartMonitor.period=1000",
                                    "--HeartMonitor.max_heartmonitor_misses=30"])
-    if engines == "local" and not joining:
-        kwargs["controller_ip"] = "127.0.0.1"
+    if engines == "local":  # forked from the zygote, as the engines are
+        from course_lib.cluster.launchers import ForkedControllerLauncher
+
+        kwargs["controller_launcher_class"] = ForkedControllerLauncher
+        if not joining:
+            kwargs["controller_ip"] = "127.0.0.1"
     extra = list(ipp_kwargs.get("controller_args", []))  # e.g. "--IPController.ports=..."
     return ipp.Cluster(**{**kwargs, **ipp_kwargs,
                           "controller_args": kwargs["controller_args"] + extra})
@@ -254,7 +258,7 @@ class Cluster:
         for i in range(n):
             log_file = os.path.join(self._ipp.profile_dir, "log",
                                     f"ipengine-{self._ipp.cluster_id}-{i}.log")
-            self._procs.add(zygote.fork_engine(argv, log_file))
+            self._procs.add(zygote.fork(argv, log_file))
 
     def join_instructions(self) -> str:
         """What to run on the other machines so that the joining engines arrive."""

@@ -27,15 +27,16 @@ import subprocess
 import sys
 import traceback
 
-PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app")  # _dynamo: see course_lib.spawn
+PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app",  # _dynamo: see course_lib.spawn
+           "ipyparallel.controller.app")
 START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
 
 _zygote: subprocess.Popen | None = None
 
 
-def _become_engine(request: dict) -> None:
+def _become(request: dict) -> None:
     """In the forked child: detach, take the request's stdio, environment and folder, and run
-    ipyparallel's engine; never returns."""
+    ipyparallel's engine (or, if the request says so, its controller); never returns."""
     code = 1
     try:
         os.setsid()  # like ipyparallel's launcher: the client's terminal signals are not ours
@@ -48,10 +49,12 @@ def _become_engine(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        _fork_nanny()
-        from ipyparallel.engine.app import IPEngine
-
-        IPEngine.launch_instance(request["argv"])
+        if request.get("app") == "controller":
+            from ipyparallel.controller.app import IPController as App
+        else:
+            _fork_nanny()
+            from ipyparallel.engine.app import IPEngine as App
+        App.launch_instance(request["argv"])
         code = 0
     except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
         traceback.print_exc()
@@ -140,7 +143,7 @@ def _become_nanny(args_r: int, url_w: int, parents: tuple[int, int]) -> None:
 
 
 def serve() -> None:
-    """The zygote's loop: one engine forked per request line, until stdin closes."""
+    """The zygote's loop: one process forked per request line, until stdin closes."""
     for name in PRELOAD:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is not for us
@@ -149,7 +152,7 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _become_engine(request)
+            _become(request)
         sys.stdout.write(json.dumps({"pid": pid}) + "\n")
         sys.stdout.flush()
 
@@ -180,11 +183,15 @@ def _started() -> subprocess.Popen:
     return _zygote
 
 
-def fork_engine(argv: list[str], log: str, timeout: float = START_TIMEOUT) -> int:
-    """Fork an ipyparallel engine with `argv` (ipengine's arguments), this process's
-    environment and folder, its output appended to `log`; returns its PID."""
+def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
+                app: str = "engine", env: dict[str, str] | None = None,
+                cwd: str | None = None) -> int:
+    """Fork an ipyparallel engine with `argv` (ipengine's arguments), or its controller (`app`
+    "controller", ipcontroller's), with `env` and `cwd` (this process's by default), its output
+    appended to `log`; returns its PID."""
     proc = _started()
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "log": log}
+    request = {"argv": argv, "env": dict(os.environ if env is None else env),
+               "cwd": cwd or os.getcwd(), "log": log, "app": app}
     try:
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
