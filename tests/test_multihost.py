@@ -224,12 +224,24 @@ def test_a_cluster_across_two_network_namespaces():
         assert hosts.remove() == [], "namespaces left behind"
 
 
+def _free_pair_below_the_ephemeral_range(start: int = 20000) -> int:
+    """Two adjacent ports, both free now, below the range the kernel hands out for port 0 and
+    outgoing connections (32768 and up by default), so no other test takes one meanwhile."""
+    for base in range(start, 32000, 2):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two adjacent free ports between 20000 and 32000")
+
+
 def test_listeners_take_their_ports_from_the_range_a_firewall_opens(monkeypatch):
     from course_lib.dist.transport import Listener, is_listening
 
-    with socket.socket() as s:  # two ports that were free a moment ago, side by side or not
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
+    base = _free_pair_below_the_ephemeral_range()
     monkeypatch.setenv("COURSE_DIST_PORTS", f"{base}-{base + 1}")
     first, second = Listener(), Listener()
     try:

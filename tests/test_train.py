@@ -176,8 +176,9 @@ def test_bad_layout_is_named_before_anything_runs(kw, named):
 
 @pytest.mark.slow
 def test_torchrun_runs_the_same_training(tmp_path, reference):
-    cfg = dataclasses.replace(TINY, dp=2, tp=2, steps=3)
-    result = torchrun(cfg, nproc_per_node=4, json_file=tmp_path / "run.json", timeout=240)
+    # two processes (tp 2): the capstone notebook's checked cell runs (2, 2, 1) on four
+    cfg = dataclasses.replace(TINY, tp=2, steps=3)
+    result = torchrun(cfg, nproc_per_node=2, json_file=tmp_path / "run.json", timeout=240)
     assert result["config"]["tp"] == 2 and result["rank"] == 0
     assert rel(result["losses"], reference["fp32"][:3]) < FP32_RTOL
 
