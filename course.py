@@ -88,7 +88,33 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
     env = dict(env, COURSE_LANG=lang, JUPYTERLAB_SETTINGS_DIR=str(lab_settings(lang)))
     root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
     where = [f"--ServerApp.root_dir={folder}"] if folder else []
-    return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
+    zygote = shared_zygote(env)
+    try:
+        return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
+    finally:
+        if zygote is not None:
+            zygote.stdin.close()  # it exits; by PID if it has not
+            try:
+                zygote.wait(5)
+            except subprocess.TimeoutExpired:
+                zygote.kill()
+
+
+def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
+    """One engine zygote for all the lab's kernels (course_lib/cluster/zygote.py): a lesson's
+    first cluster then skips its 7 s of imports. Its socket goes into `env`; None where it
+    cannot run (no fork or Unix sockets), and each kernel starts its own."""
+    if not hasattr(os, "fork"):
+        return None
+    proc = subprocess.Popen([PY, ROOT / "course_lib" / "cluster" / "zygote.py", "--shared"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            start_new_session=True, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        return None
+    env["COURSE_ZYGOTE_SOCKET"] = json.loads(line)["socket"]
+    return proc
 
 
 def main(argv: list[str]) -> int:

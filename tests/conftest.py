@@ -96,6 +96,19 @@ def less(name: str, fn, cluster=None, **kwargs):
     return r
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_zygote():
+    """One engine zygote for every cluster this process and its kernels start (as `course.py
+    lab` gives a learner's kernels): each would otherwise import torch for its own."""
+    from course_lib.cluster import zygote
+
+    proc, path = zygote.start_shared()
+    os.environ[zygote.SOCKET_ENV] = path
+    yield proc
+    os.environ.pop(zygote.SOCKET_ENV, None)
+    zygote.end(proc)
+
+
 @pytest.fixture(scope="session")
 def scratch_cluster_4():
     """One 4-rank scratch cluster shared by a test file's exercise tests (each lesson's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -170,24 +171,51 @@ def test_processes_end_after_keyboard_interrupt_inside_with():
     assert not alive(pids)
 
 
-def test_engines_are_forked_with_the_clients_environment_of_the_moment(monkeypatch):
+def test_engines_are_forked_with_the_clients_environment_folder_and_path_of_the_moment(
+        monkeypatch, tmp_path, shared_zygote):
+    """Forked from the session's shared zygote (started elsewhere, before these variables),
+    each engine takes the client's environment, folder and PYTHONPATH of the moment, as a new
+    process would: a learner's bundle on PYTHONPATH, not the zygote's folder, gives course_lib."""
+    for value in ("first", "second"):
+        folder, path = tmp_path / value / "cwd", tmp_path / value / "path"
+        for where, module in ((folder, "course_probe"), (path, "course_probe_path")):
+            where.mkdir(parents=True)
+            (where / f"{module}.py").write_text(f"VALUE = {str(where)!r}\n")
+        monkeypatch.setenv("COURSE_TEST_VALUE", value)
+        monkeypatch.setenv("PYTHONPATH", str(path))
+        monkeypatch.chdir(folder)
+        with cl.start(2, backend="none") as c:
+            assert c.run(os.environ.get, "COURSE_TEST_VALUE") == [value, value]
+            assert c.run(os.getcwd) == [str(folder)] * 2
+            assert c.run(lambda: __import__("course_probe").VALUE) == [str(folder)] * 2
+            assert c.run(lambda: __import__("course_probe_path").VALUE) == [str(path)] * 2
+            assert all(psutil.Process(p).ppid() == shared_zygote.pid for p in c.pids)
+
+
+def test_a_shared_zygote_refuses_another_python_and_survives_a_bad_client(tmp_path, monkeypatch):
     from course_lib.cluster import zygote
 
-    seen = []
-    for value in ("first", "second"):
-        monkeypatch.setenv("COURSE_TEST_VALUE", value)
-        with cl.start(2, backend="none") as c:
-            seen.append(c.run(os.environ.get, "COURSE_TEST_VALUE"))
-            server = zygote._zygote.pid
-            assert all(psutil.Process(p).ppid() == server for p in c.pids)  # forked from it
-            assert server not in c.pids
-    assert seen == [["first", "first"], ["second", "second"]]
+    proc, path = zygote.start_shared()
+    try:
+        request = {"argv": [], "env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log"),
+                   "app": "engine", "executable": "/not/this/python"}
+        assert zygote._ask_shared(path, request, 30) is None  # refused: the client forks its own
+        with socket.socket(socket.AF_UNIX) as s:  # a client that sends nonsense, then goes
+            s.connect(path)
+            s.sendall(b"[not a request\n")
+        monkeypatch.setenv(zygote.SOCKET_ENV, path)
+        with cl.start(1, backend="none") as c:  # still serving
+            assert psutil.Process(c.pids[0]).ppid() == proc.pid
+    finally:
+        zygote.end(proc)
+    assert proc.poll() is not None and not os.path.exists(os.path.dirname(path))
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from course_lib import cluster
     from course_lib.cluster import zygote
+    os.environ.pop(zygote.SOCKET_ENV, None)  # this process's own zygote, the default
     c = cluster.start(2, backend="none")
     pids = [pid for pid, _ in c._procs] + [zygote._zygote.pid]  # the zygote must go too
     print(" ".join(str(pid) for pid in pids), flush=True)

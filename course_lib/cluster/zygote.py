@@ -9,6 +9,12 @@ course_lib module (those read the environment, which each engine takes from its 
 exits when its parent closes the pipe (the client exited, even by SIGKILL); the engines it
 forks belong to the cluster that asked, which ends them by PID.
 
+One zygote can also serve many processes (`start_shared`): it listens on a Unix socket in a
+private folder, named to its clients by `SOCKET_ENV`, and serves any process of this user that
+runs the same Python. `python3 course.py lab` starts one for all the lab's kernels, and the test
+suite one per worker: each kernel's first cluster then skips the zygote's 7 s of imports. A
+client whose shared zygote is gone or refuses starts its own, as above.
+
 Each engine's nanny (ipyparallel's process that relays signals to the engine and tells the
 controller at once when it dies) is forked too, from the engine before it runs anything, and
 handed its arguments as JSON when the engine asks for it: ipyparallel would start a fresh
@@ -22,16 +28,24 @@ import base64
 import json
 import os
 import select
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import traceback
 
 PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app",  # _dynamo: see course_lib.spawn
            "ipyparallel.controller.app")
 START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
+SOCKET_ENV = "COURSE_ZYGOTE_SOCKET"  # a shared zygote's socket, for the processes it serves
+REQUEST_SECONDS = 5.0  # a shared zygote's wait for a connected client's request line
 
 _zygote: subprocess.Popen | None = None
+_OWN_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                   if p]
 
 
 def _become(request: dict) -> None:
@@ -49,12 +63,15 @@ def _become(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        _fresh_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
         if request.get("app") == "controller":
             from ipyparallel.controller.app import IPController as App
         else:
             _fork_nanny()
             from ipyparallel.engine.app import IPEngine as App
-        App.launch_instance(request["argv"])
+        # ipyparallel took its default working folder from the zygote's at import; then chdirs
+        # ipyparallel took its default working folder from the zygote's at import; then chdirs
+        App.launch_instance([f"--work-dir={request['cwd']}"] + request["argv"])
         code = 0
     except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
         traceback.print_exc()
@@ -62,6 +79,14 @@ def _become(request: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _fresh_path(cwd: str, pythonpath: str) -> None:
+    """sys.path as a new `python -m` in `cwd` with this PYTHONPATH would have it (a learner's
+    bundle on PYTHONPATH must be the course_lib its engines import)."""
+    wanted = [os.path.abspath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep) if p]
+    sys.path[:] = [cwd] + wanted + [p for p in sys.path[1:]
+                                    if p not in wanted and p not in _OWN_PYTHONPATH]
 
 
 def _plain(value):
@@ -142,12 +167,16 @@ def _become_nanny(args_r: int, url_w: int, parents: tuple[int, int]) -> None:
         os._exit(code)
 
 
-def serve() -> None:
-    """The zygote's loop: one process forked per request line, until stdin closes."""
+def _preload() -> None:
     for name in PRELOAD:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is not for us
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited engines are reaped by the kernel
+
+
+def serve() -> None:
+    """The zygote's loop: one process forked per request line, until stdin closes."""
+    _preload()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
@@ -157,12 +186,78 @@ def serve() -> None:
         sys.stdout.flush()
 
 
+def serve_shared() -> None:
+    """A shared zygote's loop: says its socket on stdout at once, then imports PRELOAD and forks
+    one process per connection's request line, until stdin closes (its owner exited)."""
+    folder = tempfile.mkdtemp(prefix="course-zygote-")  # 0700: only this user reaches the socket
+    path = os.path.join(folder, "socket")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(path)
+        server.listen(16)  # requests made while PRELOAD imports wait here
+        sys.stdout.write(json.dumps({"socket": path}) + "\n")
+        sys.stdout.flush()
+        _preload()
+        while True:
+            ready, _, _ = select.select([0, server], [], [])
+            if 0 in ready and not os.read(0, 4096):
+                return
+            if server in ready:
+                conn, _ = server.accept()
+                with conn:
+                    _answer(conn, server)
+    finally:
+        server.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _answer(conn: socket.socket, server: socket.socket) -> None:
+    """Fork the process one connection asks for and reply with its PID, or say why not."""
+    if hasattr(socket, "SO_PEERCRED"):
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        struct.calcsize("3i")))
+        if uid != os.getuid():
+            return
+    try:
+        conn.settimeout(REQUEST_SECONDS)
+        request = json.loads(conn.makefile("rb").readline(1 << 20))
+        if request.get("executable") != sys.executable:
+            reply = {"error": f"this zygote runs {sys.executable}"}
+        else:
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                _become(request)
+            reply = {"pid": pid}
+        conn.sendall((json.dumps(reply) + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # a client that went or sent nonsense
+        pass
+
+
+def start_shared() -> tuple[subprocess.Popen, str]:
+    """Start a shared zygote owned by this process (it exits when this process does, or when its
+    stdin is closed); returns it and its socket, for `SOCKET_ENV` in the clients' environment."""
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--shared"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(5)
+        raise RuntimeError(f"the shared engine zygote exited at its start ({proc.returncode})")
+    return proc, json.loads(line)["socket"]
+
+
 def stop() -> None:
-    """At the client's exit: close the zygote's pipe (it exits), then end it by PID."""
+    """At the client's exit: end this process's own zygote."""
     global _zygote
     proc, _zygote = _zygote, None
-    if proc is None:
-        return
+    if proc is not None:
+        end(proc)
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Close a zygote's pipe (it exits), then end it by PID if it has not."""
     from course_lib.processes import end_processes, record
 
     try:
@@ -189,9 +284,13 @@ def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
     """Fork an ipyparallel engine with `argv` (ipengine's arguments), or its controller (`app`
     "controller", ipcontroller's), with `env` and `cwd` (this process's by default), its output
     appended to `log`; returns its PID."""
-    proc = _started()
     request = {"argv": argv, "env": dict(os.environ if env is None else env),
-               "cwd": cwd or os.getcwd(), "log": log, "app": app}
+               "cwd": cwd or os.getcwd(), "log": log, "app": app, "executable": sys.executable}
+    shared = os.environ.get(SOCKET_ENV)
+    pid = _ask_shared(shared, request, timeout) if shared else None
+    if pid is not None:
+        return pid
+    proc = _started()
     try:
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
@@ -206,8 +305,21 @@ def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
     return int(json.loads(line)["pid"])
 
 
+def _ask_shared(path: str, request: dict, timeout: float) -> int | None:
+    """The PID a shared zygote forked for `request`, or None if it is gone or refuses."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.sendall((json.dumps(request) + "\n").encode())
+            reply = json.loads(s.makefile("rb").readline() or "{}")
+    except (OSError, ValueError):
+        return None
+    return int(reply["pid"]) if "pid" in reply else None
+
+
 atexit.register(stop)
 
 if __name__ == "__main__":
     sys.path[0] = os.getcwd()  # as `python -m` would have it, not this file's folder
-    serve()
+    serve_shared() if sys.argv[1:] == ["--shared"] else serve()

@@ -31,6 +31,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import run_sync
 
+from course_lib.cluster import zygote
 from course_lib.grading import containment, judge, plain, rebuild
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
@@ -119,6 +120,9 @@ class KernelSession:
         """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
         sockets in the folder `sockets`."""
         self.client.km = self.client.create_kernel_manager()
+        # A submission's engines are forked inside its containment (limits, this subreaper),
+        # by its kernel's own zygote, never by a zygote shared with anything else.
+        env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
         self._started = time.time() - 1.0  # create_time is rounded; a second of slack
