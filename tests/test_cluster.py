@@ -197,9 +197,8 @@ def test_a_shared_zygote_refuses_another_python_and_survives_a_bad_client(tmp_pa
 
     proc, path = zygote.start_shared()
     try:
-        request = {"argv": [], "env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log"),
-                   "app": "engine", "executable": "/not/this/python"}
-        assert zygote._ask_shared(path, request, 30) is None  # refused: the client forks its own
+        request = zygote.request([], str(tmp_path / "log"), executable="/not/this/python")
+        assert zygote.ask_shared(request, 30, path) is None  # refused: the client forks its own
         with socket.socket(socket.AF_UNIX) as s:  # a client that sends nonsense, then goes
             s.connect(path)
             s.sendall(b"[not a request\n")
@@ -209,6 +208,24 @@ def test_a_shared_zygote_refuses_another_python_and_survives_a_bad_client(tmp_pa
     finally:
         zygote.end(proc)
     assert proc.poll() is not None and not os.path.exists(os.path.dirname(path))
+
+
+LIMITED = textwrap.dedent("""
+    import resource
+    from course_lib import cluster
+    resource.setrlimit(resource.RLIMIT_NOFILE, (321, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with cluster.start(1, backend="none") as c:
+        print(c.run(lambda: __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[0])[0],
+              c.run(__import__("os").getppid)[0])
+""")
+
+
+def test_a_shared_zygote_gives_a_forked_process_its_clients_limits(shared_zygote):
+    """A limit the client set (course-grade's memory cap, say) holds in what it has forked."""
+    out = subprocess.run([sys.executable, "-c", LIMITED], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["321", str(shared_zygote.pid)]
 
 
 SCRIPT = textwrap.dedent("""

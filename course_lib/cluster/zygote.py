@@ -1,4 +1,5 @@
-"""Local engines forked from one process that has already imported torch and ipyparallel.
+"""Local engines (and Jupyter kernels) forked from one process that has already imported torch,
+ipyparallel and ipykernel.
 
 An engine started from scratch imports torch again: about 3 s of CPU on a laptop, four engines
 per cluster, a cluster in every lesson and a new one at every restart. The client starts one
@@ -11,9 +12,12 @@ forks belong to the cluster that asked, which ends them by PID.
 
 One zygote can also serve many processes (`start_shared`): it listens on a Unix socket in a
 private folder, named to its clients by `SOCKET_ENV`, and serves any process of this user that
-runs the same Python. `python3 course.py lab` starts one for all the lab's kernels, and the test
-suite one per worker: each kernel's first cluster then skips the zygote's 7 s of imports. A
-client whose shared zygote is gone or refuses starts its own, as above.
+runs the same Python. `python3 course.py lab` starts one for the lab, and the test suite one per
+worker: the kernels themselves are forked from it (`kernel_provisioner`), and their clusters'
+engines, so neither imports torch again. A client whose shared zygote is gone or refuses starts
+its own, as above. A forked process takes its environment, folder and PYTHONPATH from the
+request, as a new process would; what the preloaded modules read at import (ipyparallel's
+default folder, ipykernel's parent) is given again in its arguments.
 
 Each engine's nanny (ipyparallel's process that relays signals to the engine and tells the
 controller at once when it dies) is forked too, from the engine before it runs anything, and
@@ -27,6 +31,7 @@ import atexit
 import base64
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -38,10 +43,11 @@ import tempfile
 import traceback
 
 PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app",  # _dynamo: see course_lib.spawn
-           "ipyparallel.controller.app")
+           "ipyparallel.controller.app", "ipykernel.kernelapp")
 START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
 SOCKET_ENV = "COURSE_ZYGOTE_SOCKET"  # a shared zygote's socket, for the processes it serves
 REQUEST_SECONDS = 5.0  # a shared zygote's wait for a connected client's request line
+NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")  # a client's must be ours
 
 _zygote: subprocess.Popen | None = None
 _OWN_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -50,28 +56,39 @@ _OWN_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").
 
 def _become(request: dict) -> None:
     """In the forked child: detach, take the request's stdio, environment and folder, and run
-    ipyparallel's engine (or, if the request says so, its controller); never returns."""
+    ipyparallel's engine (or, if the request says so, its controller, or a Jupyter kernel);
+    never returns."""
     code = 1
     try:
         os.setsid()  # like ipyparallel's launcher: the client's terminal signals are not ours
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        if request["log"]:
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+        else:  # the zygote's own stderr (a shared one's stdout is its owner's pipe)
+            os.dup2(2, 1)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _fresh_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
-        if request.get("app") == "controller":
+        app = request.get("app")
+        if app == "kernel":  # as ipykernel_launcher: the folder off sys.path while it loads
+            del sys.path[0]
+            _exit_with(request["parent"])
+            from ipykernel.kernelapp import IPKernelApp as App
+        elif app == "controller":
             from ipyparallel.controller.app import IPController as App
         else:
             _fork_nanny()
             from ipyparallel.engine.app import IPEngine as App
-        # ipyparallel took its default working folder from the zygote's at import; then chdirs
-        # ipyparallel took its default working folder from the zygote's at import; then chdirs
-        App.launch_instance([f"--work-dir={request['cwd']}"] + request["argv"])
+        argv = request["argv"]
+        if app != "kernel":  # ipyparallel took its default folder from the zygote's at import
+            argv = [f"--work-dir={request['cwd']}"] + argv
+        sys.argv = [sys.modules[App.__module__].__file__, *argv]  # not the zygote's
+        App.launch_instance(argv)
         code = 0
     except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
         traceback.print_exc()
@@ -79,6 +96,39 @@ def _become(request: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _started_at(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        return None
+
+
+def _exit_with(parent: int) -> None:
+    """End this process when `parent` (a kernel's manager, not its parent here) ends, as
+    ipykernel's parent poller does for the kernels a manager starts itself."""
+    import threading
+    import time
+
+    born = _started_at(parent)
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent, 0)
+                if _started_at(parent) == born:
+                    time.sleep(1.0)
+                    continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # alive, another user's: not a recycled PID of ours
+                time.sleep(1.0)
+                continue
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="course-parent-watch").start()
 
 
 def _fresh_path(cwd: str, pythonpath: str) -> None:
@@ -213,26 +263,64 @@ def serve_shared() -> None:
 
 def _answer(conn: socket.socket, server: socket.socket) -> None:
     """Fork the process one connection asks for and reply with its PID, or say why not."""
+    peer = None
     if hasattr(socket, "SO_PEERCRED"):
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                        struct.calcsize("3i")))
+        peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
         if uid != os.getuid():
             return
     try:
         conn.settimeout(REQUEST_SECONDS)
         request = json.loads(conn.makefile("rb").readline(1 << 20))
+        unlike = _unlike(peer) if peer else None
         if request.get("executable") != sys.executable:
             reply = {"error": f"this zygote runs {sys.executable}"}
+        elif unlike:
+            reply = {"error": f"the client runs in {unlike}"}
         else:
+            limits = _limits_of(peer) if peer else {}
             pid = os.fork()
             if pid == 0:
                 server.close()
                 conn.close()
+                for which, value in limits.items():
+                    try:
+                        resource.setrlimit(which, value)
+                    except (ValueError, OSError):
+                        pass  # above this process's hard limit: keep the zygote's
                 _become(request)
             reply = {"pid": pid}
         conn.sendall((json.dumps(reply) + "\n").encode())
     except (OSError, ValueError, AttributeError):  # a client that went or sent nonsense
         pass
+
+
+def _unlike(peer: int) -> str | None:
+    """Why a process forked here would not be what `peer` would start itself: it runs in another
+    namespace or cgroup (another network namespace, a container); None where alike."""
+    for kind in NAMESPACES:
+        try:
+            if os.readlink(f"/proc/{peer}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
+                return f"another {kind} namespace"
+        except OSError:
+            continue
+    try:
+        with open(f"/proc/{peer}/cgroup") as theirs, open("/proc/self/cgroup") as ours:
+            return "another cgroup" if theirs.read() != ours.read() else None
+    except OSError:
+        return None
+
+
+def _limits_of(peer: int) -> dict[int, tuple[int, int]]:
+    """`peer`'s resource limits, which what it starts would inherit (a memory limit, say)."""
+    found = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                found[getattr(resource, name)] = resource.prlimit(peer, getattr(resource, name))
+            except (OSError, ValueError, AttributeError):
+                pass
+    return found
 
 
 def start_shared() -> tuple[subprocess.Popen, str]:
@@ -278,21 +366,29 @@ def _started() -> subprocess.Popen:
     return _zygote
 
 
+def request(argv: list[str], log: str | None, *, app: str = "engine",
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            executable: str = sys.executable) -> dict:
+    """What a zygote is asked to fork: `app` ("engine", "controller" or "kernel") with `argv`,
+    `env` and `cwd` (this process's by default), its output appended to `log` (None: the
+    zygote's stderr), for the Python `executable`."""
+    return {"argv": argv, "env": dict(os.environ if env is None else env),
+            "cwd": cwd or os.getcwd(), "log": log, "app": app, "executable": executable}
+
+
 def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
-                app: str = "engine", env: dict[str, str] | None = None,
-                cwd: str | None = None) -> int:
+         app: str = "engine", env: dict[str, str] | None = None, cwd: str | None = None) -> int:
     """Fork an ipyparallel engine with `argv` (ipengine's arguments), or its controller (`app`
     "controller", ipcontroller's), with `env` and `cwd` (this process's by default), its output
-    appended to `log`; returns its PID."""
-    request = {"argv": argv, "env": dict(os.environ if env is None else env),
-               "cwd": cwd or os.getcwd(), "log": log, "app": app, "executable": sys.executable}
-    shared = os.environ.get(SOCKET_ENV)
-    pid = _ask_shared(shared, request, timeout) if shared else None
+    appended to `log`; from the shared zygote if there is one, else this process's own.
+    Returns its PID."""
+    req = request(argv, log, app=app, env=env, cwd=cwd)
+    pid = ask_shared(req, timeout)
     if pid is not None:
         return pid
     proc = _started()
     try:
-        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.write(json.dumps(req) + "\n")
         proc.stdin.flush()
     except OSError as exc:
         raise RuntimeError(f"the engine zygote (pid {proc.pid}) is gone: {exc}") from None
@@ -305,8 +401,13 @@ def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
     return int(json.loads(line)["pid"])
 
 
-def _ask_shared(path: str, request: dict, timeout: float) -> int | None:
-    """The PID a shared zygote forked for `request`, or None if it is gone or refuses."""
+def ask_shared(request: dict, timeout: float = START_TIMEOUT,
+               path: str | None = None) -> int | None:
+    """The PID the shared zygote at `path` (default: `SOCKET_ENV` here) forked for `request`;
+    None if there is none, or it is gone or refuses."""
+    path = path or os.environ.get(SOCKET_ENV)
+    if not path:
+        return None
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
