@@ -89,8 +89,9 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
     root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
     where = [f"--ServerApp.root_dir={folder}"] if folder else []
     zygote = shared_zygote(env)
+    forked = ["--KernelProvisionerFactory.default_provisioner_name=course-zygote"] if zygote else []
     try:
-        return run(BIN / "jupyter", "lab", *where, *root, *rest, env=env)
+        return run(BIN / "jupyter", "lab", *where, *root, *forked, *rest, env=env)
     finally:
         if zygote is not None:
             zygote.stdin.close()  # it exits; by PID if it has not
@@ -101,9 +102,10 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
 
 
 def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
-    """One engine zygote for all the lab's kernels (course_lib/cluster/zygote.py): a lesson's
-    first cluster then skips its 7 s of imports. Its socket goes into `env`; None where it
-    cannot run (no fork or Unix sockets), and each kernel starts its own."""
+    """One zygote for the lab (course_lib/cluster/zygote.py): kernels are forked from it
+    (course_lib/cluster/kernel_provisioner.py), and their clusters' engines, skipping torch's
+    imports. Its socket goes into `env`; None where it cannot run (no fork), and each kernel
+    starts as a new Python and its first cluster its own zygote."""
     if not hasattr(os, "fork"):
         return None
     proc = subprocess.Popen([PY, ROOT / "course_lib" / "cluster" / "zygote.py", "--shared"],

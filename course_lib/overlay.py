@@ -216,9 +216,18 @@ def resolve(module: str) -> Resolution:
     return Resolution(module, None, f"{name}: the reference: {why}")
 
 
+def _running(module: str, app: str) -> bool:
+    """Whether this process runs the Jupyter application `module.app` (imported is not enough:
+    a kernel forked from the zygote has the engine's modules too)."""
+    found = sys.modules.get(module)
+    # not initialized(): that also answers for the instance of a sibling class
+    return found is not None and isinstance(getattr(found, app)._instance, getattr(found, app))
+
+
 def _quiet() -> bool:
     """Engines, spawned ranks and scripts resolve silently; a learner's kernel says the line."""
-    return "ipykernel" not in sys.modules or "ipyparallel.engine.app" in sys.modules
+    return (not _running("ipykernel.kernelapp", "IPKernelApp")
+            or _running("ipyparallel.engine.app", "IPEngine"))
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -98,12 +98,13 @@ def less(name: str, fn, cluster=None, **kwargs):
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_zygote():
-    """One engine zygote for every cluster this process and its kernels start (as `course.py
-    lab` gives a learner's kernels): each would otherwise import torch for its own."""
-    from course_lib.cluster import zygote
+    """One zygote for every cluster this process and its kernels start, and for the kernels
+    themselves (as `course.py lab` gives a learner's): each would otherwise import torch."""
+    from course_lib.cluster import kernel_provisioner, zygote
 
     proc, path = zygote.start_shared()
     os.environ[zygote.SOCKET_ENV] = path
+    kernel_provisioner.use_in_this_process()  # nbval's and nbclient's kernels
     yield proc
     os.environ.pop(zygote.SOCKET_ENV, None)
     zygote.end(proc)

@@ -1,0 +1,127 @@
+"""Kernels forked from the shared zygote (course_lib.cluster.kernel_provisioner) behave as kernels
+jupyter_client starts itself: the folder, environment and inline plots they were given, interrupt,
+restart, shutdown, and an end with their manager; anything that cannot be forked starts the usual
+way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+from course_lib.cluster import zygote
+from course_lib.cluster.kernel_provisioner import NAME, ZygoteProvisioner
+
+pytestmark = pytest.mark.cluster
+
+
+def run(kc, code: str) -> str:
+    """Execute `code`; what it printed (an error's name and value if it raised)."""
+    out = []
+
+    def keep(msg):
+        content = msg["content"]
+        if msg["msg_type"] == "stream":
+            out.append(content["text"])
+        elif msg["msg_type"] == "error":
+            out.append(f"{content['ename']}: {content['evalue']}")
+
+    kc.execute_interactive(code, timeout=60, output_hook=keep)
+    return "".join(out)
+
+
+@pytest.fixture
+def managers():
+    """New KernelManagers, their kernels shut down at the end."""
+    made: list[KernelManager] = []
+    yield lambda: made.append(KernelManager(kernel_name="python3")) or made[-1]
+    for km in made:
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+
+
+def test_a_kernel_is_forked_with_its_folder_environment_and_inline_plots(managers, tmp_path,
+                                                                         shared_zygote):
+    manager = managers()
+    manager.start_kernel(cwd=str(tmp_path), env=dict(os.environ, COURSE_TEST_VALUE="given"))
+    assert isinstance(manager.provisioner, ZygoteProvisioner)
+    pid = manager.provisioner.pid
+    assert psutil.Process(pid).ppid() == shared_zygote.pid  # forked, not a new Python
+    kc = manager.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        got = run(kc, "import os, matplotlib, torch\n"
+                      "print(os.getcwd(), os.environ['COURSE_TEST_VALUE'], os.getpid())\n"
+                      "print(matplotlib.get_backend())")
+        assert got.split("\n")[0] == f"{tmp_path} given {pid}"
+        assert "inline" in got.split("\n")[1]
+        assert "sys.path has the folder: True" in run(
+            kc, "import sys; print('sys.path has the folder:', '' in sys.path)")
+
+        kc.execute("import time; print('sleeping', flush=True); time.sleep(60)")
+        while kc.get_iopub_msg(timeout=30)["content"].get("text") != "sleeping\n":
+            pass  # inside the cell now (an interrupt between cells is ignored)
+        manager.interrupt_kernel()  # SIGINT to the kernel's process group
+        reply = kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_type") != "execute_request":
+            reply = kc.get_shell_msg(timeout=30)
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+
+        manager.restart_kernel(now=True)
+        kc.wait_for_ready(timeout=60)
+        new = manager.provisioner.pid
+        assert new != pid and not psutil.pid_exists(pid)
+        assert psutil.Process(new).ppid() == shared_zygote.pid
+        assert run(kc, "print(6 * 7)") == "42\n"
+    finally:
+        kc.stop_channels()
+    manager.shutdown_kernel(now=False)
+    assert not manager.is_alive() and not psutil.pid_exists(new)
+
+
+def test_what_cannot_be_forked_starts_as_a_new_python(managers, tmp_path):
+    no_zygote = {k: v for k, v in os.environ.items() if k != zygote.SOCKET_ENV}
+    for kwargs in (dict(preexec_fn=lambda: None),  # course-grade's limits come this way
+                   dict(env=no_zygote)):
+        manager = managers()
+        manager.start_kernel(cwd=str(tmp_path), **kwargs)
+        assert isinstance(manager.provisioner, ZygoteProvisioner)
+        assert psutil.Process(manager.provisioner.pid).ppid() == os.getpid()
+
+
+MANAGER = textwrap.dedent("""
+    import sys
+    from jupyter_client.manager import KernelManager
+    from course_lib.cluster import kernel_provisioner
+    kernel_provisioner.use_in_this_process()
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    print(km.provisioner.pid, type(km.provisioner).__name__, flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_forked_kernel_ends_when_its_manager_is_killed(tmp_path, shared_zygote):
+    proc = subprocess.Popen([sys.executable, "-c", MANAGER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pid, kind = proc.stdout.readline().split()
+        kernel = psutil.Process(int(pid))
+        assert kind == ZygoteProvisioner.__name__ and kernel.ppid() == shared_zygote.pid
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # no shutdown: the kernel must notice by itself
+        proc.wait(10)
+    assert psutil.wait_procs([kernel], timeout=15)[1] == []
+
+
+def test_the_provisioner_is_registered_under_its_name():
+    from jupyter_client.provisioning import KernelProvisionerFactory
+
+    assert KernelProvisionerFactory.instance()._check_availability(NAME)
