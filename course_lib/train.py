@@ -31,7 +31,7 @@ from course_lib.backend import default_dist
 from course_lib.comm_hooks import bf16_compress_hook
 from course_lib.data import DistributedSampler
 from course_lib.ddp import DistributedDataParallel, allreduce_grads_bucketed
-from course_lib.gpt import (GPT, CharTokenizer, GPTConfig, load_text, parallelize_blocks,
+from course_lib.gpt import (GPT, Block, CharTokenizer, GPTConfig, load_text, parallelize_blocks,
                             set_activation_checkpointing)
 from course_lib.layout import ParallelLayout, check_degrees
 from course_lib.pipeline import PipelineStage, Schedule1F1B
@@ -68,7 +68,7 @@ class TrainConfig:
     checkpoint_dir: str = ""      # lesson 09's checkpoints: resume from the newest whole one
     checkpoint_every: int = 0     # save every that many steps (0: never)
     sample: int = 0               # characters to sample from the trained model (pp = 1)
-    stack: str = "course"         # "torch": torch's DDP, ZeroRedundancyOptimizer or FSDP2 instead
+    stack: str = "course"         # "torch": torch's DDP, ZeRO, FSDP2, DTensor TP, pipelining
     progress: bool = False
 
     def model_config(self, vocab_size: int) -> GPTConfig:
@@ -102,9 +102,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
                         "zero=0 and pp=1")
     if cfg.stack not in ("course", "torch"):
         problems.append(f"stack={cfg.stack!r}: choose 'course' or 'torch'")
-    if cfg.stack == "torch" and (cfg.tp > 1 or cfg.pp > 1 or cfg.reduce_dtype != "fp32"):
-        problems.append(f"stack='torch' runs torch's data-parallel wrappers: it needs tp=1 and "
-                        f"pp=1 (got tp={cfg.tp}, pp={cfg.pp}) and fp32 reduction")
+    if cfg.stack == "torch" and (cfg.reduce_dtype != "fp32" or cfg.tp > 1 and cfg.pp > 1):
+        problems.append(f"stack='torch' runs tp > 1 or pp > 1, not both (got tp={cfg.tp}, "
+                        f"pp={cfg.pp}), and reduces in fp32")
+    if cfg.stack == "torch" and cfg.tp > 1 and cfg.zero != (3 if cfg.dp > 1 else 0):
+        problems.append(f"stack='torch' with tp={cfg.tp} composes DTensor's TP with FSDP2 over "
+                        f"dp={cfg.dp}: it needs zero={3 if cfg.dp > 1 else 0} (got zero={cfg.zero})")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         problems.append(f"checkpoint_every={cfg.checkpoint_every} needs a checkpoint_dir")
     if cfg.checkpoint_dir and cfg.stack == "torch":
@@ -116,8 +119,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 __all__ = ["PRECISIONS", "TrainConfig", "check_config", "precision_forward", "Precision",
     "update_scale", "DynamicLossScaler", "TextWindows", "batches", "stage_layers", "tied_groups",
-    "Run", "wrap", "wrap_torch", "adamw", "train", "train_one_process", "reference_losses",
-    "spawn_rank", "flags", "torchrun", "parse_args", "main"]
+    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "adamw", "train",
+    "train_one_process", "reference_losses", "spawn_rank", "flags", "torchrun", "parse_args",
+    "main"]
 
 
 # %% solutions/11_capstone.ipynb, cell 18
@@ -258,7 +262,7 @@ class Run:
         torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its part
         self.model = GPT(cfg.model_config(self.tokenizer.vocab_size))
         set_activation_checkpointing(self.model, cfg.checkpoint_activations)
-        if cfg.tp > 1:
+        if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
             parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
         self.stage = stage_layers(self.model, cfg.pp, c["pp"])
         self.is_first, self.is_last = c["pp"] == 0, c["pp"] == cfg.pp - 1
@@ -267,9 +271,7 @@ class Run:
                        if cfg.precision == "fp16" else None)
         self.vocab_size = self.tokenizer.vocab_size
         if cfg.pp > 1:  # built once: a schedule resets its own state at every step
-            stage = PipelineStage(self.module, c["pp"], cfg.pp, dist=self.dist,
-                                  group=self.layout.group("pp"))
-            self.schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=self.loss_fn)
+            self.schedule = pipeline_schedule(self)
         self.steps_done, self.memory = 0, {}
 
     def state(self, init: bool = False) -> dict[str, Any]:
@@ -397,28 +399,72 @@ def wrap(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
     return module, optimizer
 
 
+def pipeline_schedule(run: Run) -> Any:
+    """1F1B over the pp group: lesson 07's, or torch.distributed.pipelining's (stack='torch')."""
+    cfg, c, group = run.cfg, run.layout.coords, run.layout.group("pp")
+    if cfg.stack == "torch":
+        from torch.distributed import pipelining
+
+        stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, torch.device("cpu"),
+                                         group=group)
+        return pipelining.Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
+    stage = PipelineStage(run.module, c["pp"], cfg.pp, dist=run.dist, group=group)
+    return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
+
+
+def parallelize_blocks_torch(stage: nn.Module, mesh: Any) -> None:
+    """DTensor's tensor parallelism in each block, lesson 06's split: q, k, v and fc1 by
+    columns, out_proj and fc2 by rows."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    tp = mesh.size()
+    for block in stage:
+        if not isinstance(block, Block):
+            continue
+        attn, c = block.attn, block.attn.embed_dim
+        # packed rows [q | k | v] put in the order [q, k, v of rank 0's heads | rank 1's | ...],
+        # so that an even split of the rows (ColwiseParallel's) gives each rank its heads
+        order = torch.arange(3 * c).view(3, tp, c // tp).transpose(0, 1).reshape(-1)
+        with torch.no_grad():
+            attn.qkv.weight.copy_(attn.qkv.weight[order])
+            attn.qkv.bias.copy_(attn.qkv.bias[order])
+        attn.local_heads = attn.num_heads // tp
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
+                                         "attn.out_proj": RowwiseParallel(),
+                                         "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+
+
 def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """PyTorch's own wrappers in the same places, for the side-by-side comparison: DDP,
-    ZeroRedundancyOptimizer, FSDP2's fully_shard (tp = pp = 1, on torch.distributed)."""
+    """PyTorch's own parallelism in the same places, for the side-by-side comparison: DDP,
+    ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP (with FSDP2 over dp), and
+    (pipeline_schedule) torch.distributed.pipelining; on torch.distributed."""
     import torch.distributed as tdist
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
     cfg = run.cfg
     if run.dist is not tdist:
         raise ValueError("stack='torch' needs torch.distributed as the process group")
+    dp_mesh = None
+    if cfg.tp > 1:  # ranks of a tp group are contiguous, as in our layout (pp = 1 here)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_blocks_torch(run.stage, mesh["tp"])
+        dp_mesh = mesh["dp"]
     if cfg.zero == 3:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         for block in list(run.stage)[1:-1]:
-            torch_fully_shard(block)
-        torch_fully_shard(run.stage)
+            torch_fully_shard(block, mesh=dp_mesh)
+        torch_fully_shard(run.stage, mesh=dp_mesh)
     module: nn.Module = Precision(run.stage, cfg.precision)
     if cfg.zero == 1:
         optimizer: torch.optim.Optimizer = TorchZero(run.stage.parameters(), torch.optim.AdamW,
                                                      **adamw(cfg))
     else:
         optimizer = torch.optim.AdamW(run.stage.parameters(), **adamw(cfg))
-    if cfg.zero in (0, 1) and cfg.dp > 1:
+    if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
     return module, optimizer
 

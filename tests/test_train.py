@@ -168,6 +168,9 @@ def test_activation_checkpointing_changes_nothing_but_memory():
     (dict(dp=4, batch_size=6), "batch_size=6 is not divisible by dp=4"),
     (dict(dp=2, pp=2, zero=1), "zero=1 with pp=2"),
     (dict(dp=4, precision="fp8"), "precision='fp8'"),
+    (dict(dp=2, tp=2, stack="torch"), "stack='torch' with tp=2 composes DTensor's TP with FSDP2 "
+                                      "over dp=2: it needs zero=3 (got zero=0)"),
+    (dict(dp=1, tp=2, pp=2, stack="torch"), "runs tp > 1 or pp > 1, not both (got tp=2, pp=2)"),
 ])
 def test_bad_layout_is_named_before_anything_runs(kw, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -189,10 +192,15 @@ def torch_and_ours(rank: int, world: int, cfgs: dict) -> dict:
 
 
 def test_torch_stack_computes_the_same_losses(reference):
-    """PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 in our wrappers' places, and ours, all
-    on torch.distributed (gloo): the same losses as one process."""
+    """PyTorch's DDP, ZeroRedundancyOptimizer, FSDP2, DTensor's TP (with FSDP2 over dp) and
+    torch.distributed.pipelining's 1F1B in our components' places, and ours, all on
+    torch.distributed (gloo): the same losses as one process."""
     cfgs = {f"torch zero{z}": dataclasses.replace(TINY, dp=4, zero=z, stack="torch", steps=4)
             for z in (0, 1, 3)}
+    cfgs["torch TP + FSDP2 (2,2,1)"] = dataclasses.replace(TINY, dp=2, tp=2, zero=3,
+                                                           stack="torch", steps=4)
+    cfgs["torch pipelining (2,1,2)"] = dataclasses.replace(TINY, dp=2, pp=2, stack="torch",
+                                                           steps=4)
     cfgs["ours on torch.distributed"] = dataclasses.replace(TINY, dp=4, steps=4)
     per_rank = spawn(torch_and_ours, 4, cfgs, backend="gloo", timeout=300)
     for name in cfgs:

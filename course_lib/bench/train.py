@@ -3,7 +3,8 @@
 Every variant is a `course_lib.train.Run` of the same model and batches on the same gloo process
 group, built once and stepped in turn, iteration by iteration, so the machine's noise hits all
 of them alike. Per variant: median step time of the slowest rank, tokens per second, the ratio
-to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard), and the bytes of
+to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP with
+FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of
 parameters, gradients and optimizer state of the fullest rank, measured from the tensors'
 storages and by the formula the capstone notebook states.
 """
@@ -28,9 +29,12 @@ VARIANTS = {  # name: (dp, tp, pp, zero, stack)
     "torch-ddp": (4, 1, 1, 0, "torch"),
     "torch-zero1": (4, 1, 1, 1, "torch"),
     "torch-fsdp2": (4, 1, 1, 3, "torch"),
+    "torch-tp-fsdp2": (2, 2, 1, 3, "torch"),
+    "torch-pp": (2, 1, 2, 0, "torch"),
 }
 COUNTERPART = {"dp4": "torch-ddp", "dp4-zero1": "torch-zero1",
-               "dp4-zero3": "torch-fsdp2"}
+               "dp4-zero3": "torch-fsdp2", "dp2-tp2-zero3": "torch-tp-fsdp2",
+               "dp2-pp2": "torch-pp"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
