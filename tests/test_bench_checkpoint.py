@@ -1,5 +1,6 @@
 """The checkpoint benchmark runs end to end on tiny sizes: every variant on 3 ranks, each
-loading exactly what it saved, rows, JSON and a plot (speed itself is never asserted)."""
+loading exactly what it saved, the time to recover from a killed engine on a cluster of 3, rows,
+JSON and a plot (speed itself is never asserted)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from course_lib.bench import __main__ as bench_cli
 from course_lib.bench import checkpoint as bench
 
 
+@pytest.mark.cluster
 def test_benchmark_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "ck.json", tmp_path / "ck.png"
     assert bench_cli.main(["checkpoint", "--worlds", "3", "--mib", "0.5", "--tensors", "3",
@@ -24,6 +26,12 @@ def test_benchmark_rows_json_and_plot(tmp_path):
         assert r["save_s"] > 0 and r["load_s"] > 0
         assert r["save_gbps"] == pytest.approx(r["mib"] * 2 ** 20 / r["save_s"] / 1e9)
     assert {r["variant"]: r["save_vs_dcp"] for r in rows }["dcp"] == 1.0
+    ours = rows[0]  # the recovery: a rank's engine killed after saving, noticed, restarted
+    assert ours["variant"] == "ours" and ours["recover_exact"], ours
+    parts = [ours[k] for k in ("detect_s", "restart_s", "reload_s")]
+    assert all(0 < p < 120 for p in parts), ours
+    assert ours["recover_s"] == pytest.approx(sum(parts))
+    assert "recover_s" not in rows[1] and "recover_s" not in rows[2]
     assert png.stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.json", "ck.png"]  # files removed
 

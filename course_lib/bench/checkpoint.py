@@ -9,6 +9,12 @@ to rank 0, `torch.save`, fsync; load: `torch.load` on rank 0 and scatter). Per v
 time of the slowest rank and throughput in GB/s of the whole state, and whether what loaded
 equals what was saved. Files go under `--dir` (removed afterwards); loads come from the page
 cache for every variant alike, so load figures are the software's cost, not the disk's.
+
+Time to recover (`ours` rows, unless `--no-recovery`): on a cluster of the same world size
+(scratch backend), every rank saves its shards, then one rank's engine is SIGKILLed while the
+others wait in a barrier; `recovery.run_with_recovery` notices (detection: from the kill to the
+error), restarts every engine (restart) and runs the function again, which loads the newest
+checkpoint (reload: slowest rank). Recover = detection + restart + reload.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from course_lib.bench.common import choose, finish, median, slowest_rank
 
 VARIANTS = ("ours", "dcp", "torch_save")
+KILLED = 1  # the rank whose engine dies in the recovery measurement (every world has one)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--recovery", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the time to recover from a killed engine (a cluster)")
 
 
 def _shards(rank: int, world: int, mib: float, count: int) -> tuple[list, int]:
@@ -59,16 +68,11 @@ def _save_load(variant: str, shards: list, per: int, folder: str) -> tuple[float
     t0 = time.perf_counter()
     if variant == "ours":
         from course_lib import checkpoint
-        from course_lib.checkpoint import Piece
 
-        def pieces(ts):
-            return {f"t{i}": Piece(t, rank * t.numel(), torch.Size([per]))
-                    for i, t in enumerate(ts)}
-
-        checkpoint.save(pieces(shards), folder, dist=tdist)
+        checkpoint.save(_pieces(shards, rank, per), folder, dist=tdist)
         tdist.barrier()
         t1 = time.perf_counter()
-        checkpoint.load(pieces(fresh), folder, dist=tdist)
+        checkpoint.load(_pieces(fresh, rank, per), folder, dist=tdist)
     elif variant == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
@@ -108,6 +112,66 @@ def _save_load(variant: str, shards: list, per: int, folder: str) -> tuple[float
     tdist.barrier()
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, all(torch.equal(a, b) for a, b in zip(shards, fresh))
+
+
+def _pieces(shards: list, rank: int, per: int) -> dict:
+    """Our checkpoint's description of this rank's shards: where each sits in its tensor."""
+    import torch
+
+    from course_lib.checkpoint import Piece
+
+    return {f"t{i}": Piece(t, rank * t.numel(), torch.Size([per])) for i, t in enumerate(shards)}
+
+
+def _save_then_die(folder: str, mib: float, count: int) -> dict:
+    """On the cluster's ranks. First run (no checkpoint yet): save, then rank KILLED writes the
+    time and SIGKILLs its engine while the others wait in a barrier. Run again after the
+    restart: load (timed) and check."""
+    import signal
+
+    import torch
+
+    from course_lib import checkpoint, dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards, per = _shards(rank, world, mib, count)
+    marker = folder + ".killed"
+    if not os.path.exists(marker):
+        checkpoint.save(_pieces(shards, rank, per), folder)
+        dist.barrier()
+        if rank == KILLED:
+            with open(marker, "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()  # the dead rank never comes: the cluster notices the engine died
+    fresh = [torch.full_like(t, -1.0) for t in shards]
+    start = time.perf_counter()
+    checkpoint.load(_pieces(fresh, rank, per), folder)
+    return {"load_s": time.perf_counter() - start,
+            "exact": all(torch.equal(a, b) for a, b in zip(shards, fresh))}
+
+
+def _recovery(world: int, args: argparse.Namespace, root: str) -> dict:
+    """Detection, restart and reload seconds (and their sum) of one killed engine."""
+    from course_lib.cluster import start
+    from course_lib.recovery import run_with_recovery
+
+    folder = os.path.join(root, f"w{world}-recovery")
+    with start(world, timeout=args.timeout) as cluster:
+        called = time.time()
+        results, failures = run_with_recovery(cluster, _save_then_die, folder, args.mib,
+                                              args.tensors, max_failures=1)
+    with open(folder + ".killed") as f:
+        killed_at = float(f.read())
+    (failure,) = failures
+    if list(failure.dead) != [KILLED]:
+        raise RuntimeError(f"the recovery benchmark expected rank {KILLED} to die, not "
+                           f"{sorted(failure.dead)}")
+    detect = failure.failed_after_s - (killed_at - called)
+    reload = max(r["load_s"] for r in results)
+    return {"detect_s": detect, "restart_s": failure.recovered_in_s, "reload_s": reload,
+            "recover_s": detect + failure.recovered_in_s + reload,
+            "recover_exact": all(r["exact"] for r in results)}
 
 
 def _rank_main(rank: int, world: int, args: dict) -> dict:
@@ -156,6 +220,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 if "dcp" in by:
                     r["save_vs_dcp"] = r["save_s"] / by["dcp"]["save_s"]
                     r["load_vs_dcp"] = r["load_s"] / by["dcp"]["load_s"]
+            if args.recovery and "ours" in by:
+                by["ours"].update(_recovery(world, args, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
