@@ -57,6 +57,7 @@ class TrainConfig:
     batch_size: int = 16          # the global batch, in sequences
     micro_batches: int = 1        # per data-parallel rank: accumulation or pipeline micro-batches
     lr: float = 1e-3
+    optimizer: str = "adamw"      # "sgd": steps in proportion to the gradient (what tests need)
     seed: int = 0
     text: str = "shakespeare"
     block_size: int = 64
@@ -100,6 +101,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.reduce_dtype != "fp32" and (cfg.zero or cfg.pp > 1):
         problems.append(f"reduce_dtype={cfg.reduce_dtype!r} is DDP's comm hook: it needs "
                         "zero=0 and pp=1")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        problems.append(f"optimizer={cfg.optimizer!r}: choose 'adamw' or 'sgd'")
     if cfg.stack not in ("course", "torch"):
         problems.append(f"stack={cfg.stack!r}: choose 'course' or 'torch'")
     if cfg.stack == "torch" and (cfg.reduce_dtype != "fp32" or cfg.tp > 1 and cfg.pp > 1):
@@ -119,9 +122,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 __all__ = ["PRECISIONS", "TrainConfig", "check_config", "precision_forward", "Precision",
     "update_scale", "DynamicLossScaler", "TextWindows", "batches", "stage_layers", "tied_groups",
-    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "adamw", "train",
-    "train_one_process", "reference_losses", "spawn_rank", "flags", "torchrun", "parse_args",
-    "main"]
+    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "optimizer_class",
+    "train", "train_one_process", "reference_losses", "spawn_rank", "flags", "torchrun",
+    "parse_args", "main"]
 
 
 # %% solutions/11_capstone.ipynb, cell 18
@@ -387,11 +390,12 @@ def wrap(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
             fully_shard(block, dist=dist, group=group)
         fully_shard(run.stage, dist=dist, group=group)
     module: nn.Module = Precision(run.stage, cfg.precision)
+    cls, kwargs = optimizer_class(cfg)
     if cfg.zero == 1:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            run.stage.parameters(), torch.optim.AdamW, dist=dist, group=group, **adamw(cfg))
+            run.stage.parameters(), cls, dist=dist, group=group, **kwargs)
     else:
-        optimizer = torch.optim.AdamW(run.stage.parameters(), **adamw(cfg))
+        optimizer = cls(run.stage.parameters(), **kwargs)
     if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
         module = DistributedDataParallel(module, dist=dist, group=group)
         if cfg.reduce_dtype == "bf16":
@@ -459,18 +463,22 @@ def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
             torch_fully_shard(block, mesh=dp_mesh)
         torch_fully_shard(run.stage, mesh=dp_mesh)
     module: nn.Module = Precision(run.stage, cfg.precision)
+    cls, kwargs = optimizer_class(cfg)
     if cfg.zero == 1:
-        optimizer: torch.optim.Optimizer = TorchZero(run.stage.parameters(), torch.optim.AdamW,
-                                                     **adamw(cfg))
+        optimizer: torch.optim.Optimizer = TorchZero(run.stage.parameters(), cls, **kwargs)
     else:
-        optimizer = torch.optim.AdamW(run.stage.parameters(), **adamw(cfg))
+        optimizer = cls(run.stage.parameters(), **kwargs)
     if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
     return module, optimizer
 
 
-def adamw(cfg: TrainConfig) -> dict[str, Any]:
-    return {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+def optimizer_class(cfg: TrainConfig) -> tuple[type, dict[str, Any]]:
+    """The run's optimizer and its arguments: AdamW, or plain SGD, whose step is in proportion
+    to the gradient (AdamW's hardly changes when a gradient is summed instead of averaged)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": cfg.lr}
+    return torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
 
 # %% solutions/11_capstone.ipynb, cell 30

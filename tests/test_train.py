@@ -37,6 +37,13 @@ LAYOUTS = {
     "(2,1,2) fp16, overflow at step 3": dict(dp=2, pp=2, precision="fp16"),
 }
 INF_STEP, INF_RANK = 3, 3
+# With AdamW a gradient twice too large moves the weights almost as far (its step is normalized):
+# a sum left unaveraged over dp, or micro-batches not divided, passes the AdamW tests above.
+# SGD's step is in proportion to the gradient, so these runs catch it.
+SGD = dataclasses.replace(TINY, optimizer="sgd", lr=0.5, steps=6)
+SGD_LAYOUTS = {"(4,1,1) DDP, sgd": dict(dp=4), "(2,1,2), sgd": dict(dp=2, pp=2),
+               "(1,2,2), sgd": dict(tp=2, pp=2), "(2,2,1) ZeRO-1, sgd": dict(dp=2, tp=2, zero=1),
+               "(4,1,1) ZeRO-3, sgd": dict(dp=4, zero=3)}
 
 
 def inject_inf(run) -> None:
@@ -57,6 +64,7 @@ RESUMED = ("(2,2,1) ZeRO-1", "(2,1,2)")  # sharded optimizer state; a tied weigh
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cfgs = {name: dataclasses.replace(TINY, **kw) for name, kw in LAYOUTS.items()}
+    cfgs.update({name: dataclasses.replace(SGD, **kw) for name, kw in SGD_LAYOUTS.items()})
     for name in RESUMED:  # stopped after 10 steps (checkpoints at 5 and 10), then resumed
         folder = str(tmp_path_factory.mktemp("checkpoints"))
         cfgs[name + " stopped"] = dataclasses.replace(
@@ -67,7 +75,8 @@ def results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {p: reference_losses(dataclasses.replace(TINY, precision=p)) for p in ("fp32", "bf16")}
+    return {**{p: reference_losses(dataclasses.replace(TINY, precision=p))
+               for p in ("fp32", "bf16")}, "sgd": reference_losses(SGD)}
 
 
 def rel(a: list[float], b: list[float]) -> float:
@@ -80,6 +89,14 @@ def test_fp32_layout_matches_one_process(results, reference, name):
     assert len(losses) == TINY.steps
     assert all(r[name]["losses"] == losses for r in results), "ranks disagree on the loss"
     assert rel(losses, reference["fp32"]) < FP32_RTOL
+    assert losses[-1] < losses[0] - 0.05, "the loss did not fall"
+
+
+@pytest.mark.parametrize("name", SGD_LAYOUTS)
+def test_sgd_layout_matches_one_process(results, reference, name):
+    losses = results[0][name]["losses"]
+    assert all(r[name]["losses"] == losses for r in results), "ranks disagree on the loss"
+    assert rel(losses, reference["sgd"]) < FP32_RTOL
     assert losses[-1] < losses[0] - 0.05, "the loss did not fall"
 
 
@@ -168,6 +185,7 @@ def test_activation_checkpointing_changes_nothing_but_memory():
     (dict(dp=4, batch_size=6), "batch_size=6 is not divisible by dp=4"),
     (dict(dp=2, pp=2, zero=1), "zero=1 with pp=2"),
     (dict(dp=4, precision="fp8"), "precision='fp8'"),
+    (dict(dp=4, optimizer="adam"), "optimizer='adam': choose 'adamw' or 'sgd'"),
     (dict(dp=2, tp=2, stack="torch"), "stack='torch' with tp=2 composes DTensor's TP with FSDP2 "
                                       "over dp=2: it needs zero=3 (got zero=0)"),
     (dict(dp=1, tp=2, pp=2, stack="torch"), "runs tp > 1 or pp > 1, not both (got tp=2, pp=2)"),
@@ -202,9 +220,12 @@ def test_torch_stack_computes_the_same_losses(reference):
     cfgs["torch pipelining (2,1,2)"] = dataclasses.replace(TINY, dp=2, pp=2, stack="torch",
                                                            steps=4)
     cfgs["ours on torch.distributed"] = dataclasses.replace(TINY, dp=4, steps=4)
+    cfgs["torch pipelining (2,1,2), sgd"] = dataclasses.replace(SGD, dp=2, pp=2, stack="torch",
+                                                                steps=4)
     per_rank = spawn(torch_and_ours, 4, cfgs, backend="gloo", timeout=300)
     for name in cfgs:
-        assert rel(per_rank[0][name], reference["fp32"][:4]) < FP32_RTOL, name
+        want = reference["sgd" if cfgs[name].optimizer == "sgd" else "fp32"][:4]
+        assert rel(per_rank[0][name], want) < FP32_RTOL, name
         assert all(r[name] == per_rank[0][name] for r in per_rank), name
 
 
