@@ -115,13 +115,29 @@ def end_processes(procs: Iterable[Recorded], grace: float = 3.0, *, reap: bool =
 
 
 def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psutil.Process]:
-    """The processes still running after up to `timeout` seconds."""
-    if reap:
-        return psutil.wait_procs(procs, timeout=timeout)[1]
+    """The processes still running after up to `timeout` seconds. A zombie has ended: this
+    process reaps its own children (unless `reap` is False); another's zombie is for its parent
+    to reap, or for init, which in some containers never does (waiting for it to vanish cost a
+    whole `grace` per cluster stop there)."""
     deadline = time.monotonic() + timeout
-    while (still := [p for p in procs if running(p.pid)]) and time.monotonic() < deadline:
+    while (still := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.02)
+    for p in procs:
+        if reap and p not in still:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE and p.ppid() == os.getpid():
+                    os.waitpid(p.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
     return still
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Whether `p` (the very process noted, not a recycled PID) runs and is not a zombie."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def run_session(cmd: list[str], timeout: float, what: str,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from course_lib.processes import ProcessSet, end_processes, record, running
 
@@ -52,3 +53,34 @@ def test_process_set_notes_descendants_and_ends_them():
     procs.end(grace=1.0)
     parent.wait(5)
     assert not any(running(pid) for pid in pids) and list(procs) == []
+
+
+def test_a_child_is_reaped_and_anothers_zombie_is_not_waited_for():
+    """Our own child ends reaped (no zombie left); a process whose parent never reaps it (as
+    init does not in some containers) counts as ended at once, not after the grace."""
+    import os
+
+    import psutil
+
+    child = subprocess.Popen(SLEEP)
+    end_processes(record(child.pid), grace=2.0)
+    with pytest.raises(ChildProcessError):  # reaped already: no zombie left behind
+        os.waitpid(child.pid, os.WNOHANG)
+    child.returncode = -15  # Popen must not wait for it again
+    # A parent that never reaps its child: the child exits at once and stays a zombie.
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time; "
+                               "p = subprocess.Popen([sys.executable, '-c', 'import time; "
+                               "time.sleep(0.5)']); print(p.pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(parent.stdout.readline())
+        noted = record(grandchild)
+        while psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        start = time.monotonic()
+        assert end_processes(noted, grace=3.0) == []
+        assert time.monotonic() - start < 1.0
+    finally:
+        end_processes(record(parent.pid), grace=1.0)
+        parent.wait(5)
