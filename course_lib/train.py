@@ -37,6 +37,7 @@ from course_lib.layout import ParallelLayout, check_degrees
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.processes import run_session
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
+from course_lib.tensor_parallel import shard
 from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
 
 
@@ -426,13 +427,12 @@ def parallelize_blocks_torch(stage: nn.Module, mesh: Any) -> None:
     for block in stage:
         if not isinstance(block, Block):
             continue
-        attn, c = block.attn, block.attn.embed_dim
-        # packed rows [q | k | v] put in the order [q, k, v of rank 0's heads | rank 1's | ...],
-        # so that an even split of the rows (ColwiseParallel's) gives each rank its heads
-        order = torch.arange(3 * c).view(3, tp, c // tp).transpose(0, 1).reshape(-1)
+        attn = block.attn
+        # packed rows [q | k | v] put in the order [rank 0's shard | rank 1's | ...] (lesson 06's
+        # q, k, v of its heads), so that ColwiseParallel's even split gives each rank its heads
         with torch.no_grad():
-            attn.qkv.weight.copy_(attn.qkv.weight[order])
-            attn.qkv.bias.copy_(attn.qkv.bias[order])
+            for p in (attn.qkv.weight, attn.qkv.bias):
+                p.copy_(torch.cat([shard(p, 0, r, tp, parts=3) for r in range(tp)]))
         attn.local_heads = attn.num_heads // tp
         parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
                                          "attn.out_proj": RowwiseParallel(),
