@@ -81,7 +81,7 @@ class ProcessSet:
 def running(pid: int) -> bool:
     """True while `pid` runs; a zombie (exited, not yet reaped) has died."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return _alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -122,13 +122,12 @@ def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psuti
     deadline = time.monotonic() + timeout
     while (still := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for p in procs:
-        if reap and p not in still:
-            try:
-                if p.status() == psutil.STATUS_ZOMBIE and p.ppid() == os.getpid():
-                    os.waitpid(p.pid, os.WNOHANG)
-            except (psutil.Error, ChildProcessError):
-                pass
+    for p in procs if reap else []:
+        try:
+            if p not in still and p.status() == psutil.STATUS_ZOMBIE and p.ppid() == os.getpid():
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
     return still
 
 

@@ -85,14 +85,16 @@ class ZygoteProvisioner(LocalProvisioner):
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any):
         path = forkable(cmd, kwargs)
+        if path is None:
+            return await super().launch_kernel(cmd, **kwargs)
         env = dict(kwargs.get("env") or os.environ, JPY_PARENT_PID=str(os.getpid()))
         # ipykernel read its parent from the zygote's environment at import: said again here
         argv = cmd[3:] + [f"--IPKernelApp.parent_handle={os.getpid()}"]
         request = zygote.request(argv, None, app="kernel", env=env,
                                  cwd=str(kwargs.get("cwd") or os.getcwd()), executable=cmd[0])
         request["parent"] = os.getpid()  # the kernel ends with this process, as ipykernel's would
-        pid = zygote.ask_shared(request, zygote.START_TIMEOUT, path) if path else None
-        if pid is None:
+        pid = zygote.ask_shared(request, zygote.START_TIMEOUT, path)
+        if pid is None:  # the zygote is gone or refused (another Python): a new Python, then
             return await super().launch_kernel(cmd, **kwargs)
         self.process = ForkedKernel(pid)
         self.pid, self.pgid = pid, pid  # the zygote's child called setsid()
@@ -106,4 +108,3 @@ def use_in_this_process() -> None:
     from jupyter_client.provisioning import KernelProvisionerFactory
 
     KernelProvisionerFactory.instance().default_provisioner_name = NAME
-
