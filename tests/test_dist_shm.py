@@ -103,6 +103,57 @@ def test_silent_receiver_times_out_naming_both_ranks(tmp_path):
     assert 1.5 < r0["elapsed"] < 5.0, r0
 
 
+def sends_while_the_receiver_waits(rank: int, world: int, outdir: str) -> dict:
+    """Rank 0 isends one slot's worth SLOTS + 1 times, then a small message, while rank 1 reads
+    nothing; rank 1 starts receiving only once rank 0 has noted which sends had completed."""
+    from course_lib import dist
+    from course_lib.dist import group
+
+    sender = group._world.transport.peer(1 - rank).sender
+    messages = [torch.full((shm.SLOT_BYTES // 8,), float(i), dtype=torch.float64)
+                for i in range(shm.SLOTS + 1)]
+    small = torch.arange(5)
+    flag = os.path.join(outdir, "sent")
+    if rank == 0:
+        works, done, thread_before_last = [], [], None
+        for i, m in enumerate(messages):
+            if i == shm.SLOTS:
+                thread_before_last = sender._thread is not None
+            works.append(dist.isend(m, 1))
+            done.append(works[-1].is_completed())
+        works.append(dist.isend(small, 1))
+        done.append(works[-1].is_completed())
+        open(flag, "w").close()
+        for w in works:
+            w.wait()
+        return {"done": done, "thread_before_last": thread_before_last}
+    deadline = time.monotonic() + 30
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got = [torch.empty_like(m) for m in messages]
+    for g in got:
+        dist.recv(g, 0)
+    small_got = torch.empty_like(small)
+    dist.recv(small_got, 0)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(got, messages))
+            and torch.equal(small_got, small)}
+
+
+@pytest.mark.parametrize("ring_on", ["1", "0"])
+def test_a_large_send_leaves_on_the_callers_thread_only_when_slots_are_free(ring_on, tmp_path,
+                                                                         monkeypatch):
+    """While the slots last, a large isend is copied in by the caller (no hand-off to the sender
+    thread); the next one, and the small one behind it, wait in order for the sender thread.
+    Over the socket (no ring) a send cannot know it will not block, so every large one queues."""
+    monkeypatch.setenv("COURSE_DIST_RING", ring_on)
+    r0, r1 = spawn(sends_while_the_receiver_waits, 2, str(tmp_path), backend="scratch",
+                   timeout=60)
+    assert r1["equal"], r1
+    inline = ring_on == "1" and shm.ring_enabled()
+    assert r0["done"] == [inline] * shm.SLOTS + [False, False], r0
+    assert r0["thread_before_last"] is (not inline), r0
+
+
 @pytest.fixture
 def region_sized_file_elsewhere():
     """A file of exactly a region's size outside /dev/shm: mappable, were its name accepted."""

@@ -45,6 +45,10 @@ class SocketStream:
     def try_send(self, parts: list) -> list:
         return try_send(self.sock, parts)
 
+    def room(self) -> int:
+        """Bytes a send is sure to take without blocking: unknown for a socket, so none."""
+        return 0
+
     def recv_exact(self, view: memoryview, deadline: float) -> None:
         recv_exact(self.sock, view, deadline)
 
@@ -93,6 +97,10 @@ class RingStream:
 
     def try_send(self, parts: list) -> list:
         return self._put(parts)
+
+    def room(self) -> int:
+        """Bytes a send is sure to take without blocking (only this end adds to the ring)."""
+        return self.size - (self.head[0] - self.tail[0])
 
     def send(self, parts: list, deadline: float) -> None:
         delay = 1e-6

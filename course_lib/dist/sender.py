@@ -1,8 +1,9 @@
 """The sending half of a link: frames go out in call order, never blocking a small send.
 
 A small message is written at once on the caller's thread, as far as the socket buffer takes
-it (no thread hop on the latency path); the rest of it, and large messages, queue for the
-link's sender thread, so sending overlaps the caller's receives. A payload going to a rank on
+it (no thread hop on the latency path), and so is a large one whose shared-memory slots are
+free now; the rest, and large messages that would have to wait, queue for the link's sender
+thread, so sending overlaps the caller's receives. A payload going to a rank on
 this machine through shared memory is said so explicitly (`via_shm`), never guessed.
 """
 
@@ -60,12 +61,14 @@ class Sender:
         item = Outgoing(work, [encode_header(tag, tensor), payload], tensor, via_shm)
         with self.cond:
             self.peer.check_alive(name, "send to")
-            large = len(payload) > INLINE_MAX and not blocking
-            if self.queue or self.writing or large:
+            inline = blocking or len(payload) <= INLINE_MAX or (
+                via_shm and shm.fits_now(self.region, self.stream, len(item.parts[0]),
+                                         len(payload)))
+            if self.queue or self.writing or not inline:
                 return self._enqueue(item)
             self.writing = True
         try:
-            self._write(item, wait=blocking)
+            self._write(item, wait=blocking or via_shm)
         finally:
             with self.cond:
                 if item.parts:  # the socket buffer was full: the thread sends the rest first

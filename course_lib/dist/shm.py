@@ -149,6 +149,16 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
     return (out if reply[0] in (1, 2) else None), incoming
 
 
+def fits_now(region: Region, stream, header_bytes: int, nbytes: int) -> bool:
+    """Whether `send` of an `nbytes` payload would go through without waiting: the slots it
+    needs are free and the stream takes its header and doorbells. Then the caller's thread can
+    send it itself instead of handing it to the sender thread (a wake-up and GIL hand-off)."""
+    slots = -(-nbytes // SLOT_BYTES)
+    if slots > SLOTS or stream.room() < header_bytes + slots * len(DOORBELL):
+        return False
+    return not any(region.busy((region.next + k) % SLOTS) for k in range(slots))
+
+
 def _wait_free(region: Region, i: int, sock: socket.socket, deadline: float) -> None:
     """Wait until the peer has copied slot `i` out; a dead peer or the deadline ends the wait."""
     delay = 1e-5
