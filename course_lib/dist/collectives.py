@@ -332,13 +332,19 @@ def _all_reduce_tree(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int
     """Recursive doubling: lg p exchanges of the whole tensor; extra ranks fold in and out."""
     index = _fold_in(g, flat, op, tag, name)
     if index is not None:
-        incoming = torch.empty_like(flat)
+        incoming = None
         for k in range(_power_of_two_below(g.size).bit_length() - 1):
             partner = _group_rank(index ^ (1 << k), g.size)
             work = g.isend(flat, partner, tag, name)
+            # a (op) b == b (op) a bit for bit, so both sides agree whichever way they reduce
+            if work.is_completed():  # our bytes are out: reduce the message straight into flat
+                work.wait()
+                g.recv(flat, partner, tag, name, combine=reducer(op))
+                continue
+            incoming = torch.empty_like(flat) if incoming is None else incoming
             g.recv(incoming, partner, tag, name)
             work.wait()
-            reduce_(flat, incoming, op)  # a (op) b == b (op) a bit for bit, so both sides agree
+            reduce_(flat, incoming, op)
     _fold_out(g, flat, tag, name)
 
 
