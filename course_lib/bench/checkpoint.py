@@ -2,7 +2,8 @@
 
 Every rank holds its 1/N of a training state of `--mib` MiB (`--tensors` fp32 tensors, each
 sharded evenly, as ZeRO-3 holds them) and saves it, then loads it back into fresh tensors, in
-the same processes on gloo, variant after variant in every repeat. Variants: `ours`
+the same processes on gloo, variant after variant in every repeat, after one warm-up round
+that is not counted, each repeat starting with the next variant. Variants: `ours`
 (course_lib.checkpoint, Pieces), `dcp` (torch.distributed.checkpoint, DTensors on a CPU device
 mesh, its default FileSystemWriter: one thread, fsync) and `torch_save` (gather the full state
 to rank 0, `torch.save`, fsync; load: `torch.load` on rank 0 and scatter). Per variant: median
@@ -62,18 +63,11 @@ def _save_load(variant: str, shards: list, per: int, folder: str) -> tuple[float
     import torch
     import torch.distributed as tdist
 
+    from course_lib import checkpoint
+
     rank, world = tdist.get_rank(), tdist.get_world_size()
     fresh = [torch.full_like(s, -1.0) for s in shards]
-    tdist.barrier()
-    t0 = time.perf_counter()
-    if variant == "ours":
-        from course_lib import checkpoint
-
-        checkpoint.save(_pieces(shards, rank, per), folder, dist=tdist)
-        tdist.barrier()
-        t1 = time.perf_counter()
-        checkpoint.load(_pieces(fresh, rank, per), folder, dist=tdist)
-    elif variant == "dcp":
+    if variant == "dcp":  # imports and the mesh (a collective) are not the save's time
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -83,7 +77,14 @@ def _save_load(variant: str, shards: list, per: int, folder: str) -> tuple[float
         def dtensors(ts):
             return {f"t{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
                     for i, t in enumerate(ts)}
-
+    tdist.barrier()
+    t0 = time.perf_counter()
+    if variant == "ours":
+        checkpoint.save(_pieces(shards, rank, per), folder, dist=tdist)
+        tdist.barrier()
+        t1 = time.perf_counter()
+        checkpoint.load(_pieces(fresh, rank, per), folder, dist=tdist)
+    elif variant == "dcp":
         dcp.save(dtensors(shards), checkpoint_id=folder)
         tdist.barrier()
         t1 = time.perf_counter()
@@ -179,14 +180,19 @@ def _rank_main(rank: int, world: int, args: dict) -> dict:
 
     shards, per = _shards(rank, world, args["mib"], args["tensors"])
     root = args["root"]
-    out: dict[str, Any] = {v: {"save": [], "load": [], "exact": True} for v in args["variants"]}
-    for repeat in range(args["repeats"]):
-        for variant in args["variants"]:
+    variants = args["variants"]
+    out: dict[str, Any] = {v: {"save": [], "load": [], "exact": True} for v in variants}
+    for repeat in range(-1, args["repeats"]):  # -1: a warm-up round, not counted
+        # Each round starts with another variant: no variant always writes first (the first
+        # writes into memory this machine has not touched yet can be several times slower).
+        shift = max(repeat, 0) % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             folder = os.path.join(root, f"w{world}-{variant}-{repeat}")
             save_s, load_s, exact = _save_load(variant, shards, per, folder)
-            out[variant]["save"].append(save_s)
-            out[variant]["load"].append(load_s)
             out[variant]["exact"] &= exact
+            if repeat >= 0:
+                out[variant]["save"].append(save_s)
+                out[variant]["load"].append(load_s)
             tdist.barrier()
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
