@@ -7,6 +7,7 @@ Engine side: `course_lib.dist` is the from-scratch process group; the training c
 """
 
 __version__ = "0.1.0"
+__all__ = ["__version__", "use"]
 
 # Each component resolves to the learner's version (their overlay) or the reference.
 from course_lib.overlay import install as _install_overlay, use  # noqa: E402

@@ -60,10 +60,11 @@ def test_accumulation_matches_one_big_batch(backend, world, optimizers):
 
 
 def test_without_loss_scaling_the_step_is_k_times_too_large():
-    """The mistake the lesson warns about, shown to be visible (single process, SGD)."""
+    """The mistake the lesson warns about, shown to be visible on one process: without dividing
+    each micro-batch's loss by K, the accumulated gradient (and so an SGD step) is K times the
+    full batch's."""
     def run(scale: bool) -> torch.Tensor:
         model = make_model("mlp", seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         micro = micro_batches(0, 0, 1)
         for x, y in micro:
             (nn.functional.mse_loss(model(x), y) / (K if scale else 1)).backward()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib.spawn import SpawnError, spawn
+from course_lib.spawn import spawn
 
 IN, HIDDEN, OUT = 8, 16, 3
 STEPS = 20

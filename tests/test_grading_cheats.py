@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from course_lib.processes import end_processes
+from tagged import tagged_processes
 
 pytestmark = pytest.mark.slow
 
@@ -127,18 +128,6 @@ EXPECTED = {name: (2.0 if name in ("memory_hog", "disk_filler", "zz_honest") els
             for name in CHEATS}
 
 
-def _tagged() -> list[psutil.Process]:
-    """Processes still running that the test's grader run started (they carry its tag)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(TAG) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("cheats")
@@ -157,9 +146,10 @@ def run(tmp_path_factory):
              "--exercises", str(FIXTURES / "exercises_96.py"), "--source", str(FIXTURES),
              "--memory-limit", "2", "--file-limit", "64", "--timeout-notebook", "60"],
             env=env, capture_output=True, text=True, timeout=600)
-        left = [p.pid for p in _tagged()]
+        left = [p.pid for p in tagged_processes(TAG)]
     finally:  # whatever the assertions say, leave nothing behind
-        end_processes([(p.pid, p.create_time()) for p in _tagged()], grace=2.0, reap=False)
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG)], grace=2.0,
+                      reap=False)
     assert done.returncode == 0, done.stderr
     return {"out": out, "evidence": evidence, "left": left, "stderr": done.stderr}
 

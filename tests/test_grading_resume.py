@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from course_lib.processes import end_processes
+from tagged import tagged_processes
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +29,6 @@ TAG = "COURSE_GRADE_RESUME_TEST"
 STUDENTS = [f"s{i}" for i in range(8)]
 # s2's answer cell leaves a child running for a while: a kill then orphans it
 SPAWNS = "import subprocess, time\nsubprocess.Popen(['sleep', '120'])\ntime.sleep(2)\n"
-
-
-def _tagged() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(TAG) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def _whole(out: Path) -> list[dict]:
@@ -88,10 +78,11 @@ def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
         # a killed run's kernel notices its parent is gone within a second when idle; on a
         # loaded machine, or killed mid-start (its parent watcher starts only after its
         # imports), it took over 15 s in a full clean-clone run
-        psutil.wait_procs(_tagged(), timeout=60)
-        left = [p.pid for p in _tagged()]  # zombies not counted: their parent reaps them
+        psutil.wait_procs(tagged_processes(TAG), timeout=60)
+        left = [p.pid for p in tagged_processes(TAG)]  # zombies: their parent reaps them
     finally:
-        end_processes([(p.pid, p.create_time()) for p in _tagged()], grace=2.0, reap=False)
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG)], grace=2.0,
+                      reap=False)
     rows = _whole(out)
     graded = [r["student"] for r in rows if r["exercise"] == "lesson97.mean"]
     assert sorted(graded) == [f"{s}_97_fixture" for s in STUDENTS]  # each exactly once
