@@ -8,6 +8,7 @@ fresh machine with only Python 3.11+ needs nothing else.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -108,14 +109,16 @@ def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
     starts as a new Python and its first cluster its own zygote."""
     if not hasattr(os, "fork"):
         return None
-    proc = subprocess.Popen([PY, ROOT / "course_lib" / "cluster" / "zygote.py", "--shared"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            start_new_session=True, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait()
+    # By its path: importing the package would import torch, and this is the system's Python.
+    spec = importlib.util.spec_from_file_location(
+        "course_zygote", ROOT / "course_lib" / "cluster" / "zygote.py")
+    zygote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zygote)
+    try:
+        proc, socket = zygote.start_shared(PY, env)
+    except RuntimeError:
         return None
-    env["COURSE_ZYGOTE_SOCKET"] = json.loads(line)["socket"]
+    env[zygote.SOCKET_ENV] = socket
     return proc
 
 

@@ -323,11 +323,14 @@ def _limits_of(peer: int) -> dict[int, tuple[int, int]]:
     return found
 
 
-def start_shared() -> tuple[subprocess.Popen, str]:
+def start_shared(python: str = sys.executable,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Start a shared zygote owned by this process (it exits when this process does, or when its
-    stdin is closed); returns it and its socket, for `SOCKET_ENV` in the clients' environment."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--shared"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    stdin is closed) under `python`; returns it and its socket, for `SOCKET_ENV` in the clients'
+    environment. Standard library only, so that course.py can load this file before any
+    dependency is installed."""
+    proc = subprocess.Popen([str(python), os.path.abspath(__file__), "--shared"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             start_new_session=True, text=True)
     line = proc.stdout.readline()
     if not line:
