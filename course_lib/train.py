@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 __all__ = ["PRECISIONS", "TrainConfig", "check_config", "precision_forward", "Precision",
     "update_scale", "DynamicLossScaler", "TextWindows", "batches", "stage_layers", "tied_groups",
-    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "optimizer_class",
+    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "make_optimizer",
     "train", "train_one_process", "reference_losses", "spawn_rank", "flags", "torchrun",
     "parse_args", "main"]
 
@@ -391,12 +392,8 @@ def wrap(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
             fully_shard(block, dist=dist, group=group)
         fully_shard(run.stage, dist=dist, group=group)
     module: nn.Module = Precision(run.stage, cfg.precision)
-    cls, kwargs = optimizer_class(cfg)
-    if cfg.zero == 1:
-        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            run.stage.parameters(), cls, dist=dist, group=group, **kwargs)
-    else:
-        optimizer = cls(run.stage.parameters(), **kwargs)
+    optimizer = make_optimizer(cfg, run.stage.parameters(),
+                               functools.partial(ZeroRedundancyOptimizer, dist=dist, group=group))
     if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
         module = DistributedDataParallel(module, dist=dist, group=group)
         if cfg.reduce_dtype == "bf16":
@@ -463,22 +460,22 @@ def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
             torch_fully_shard(block, mesh=dp_mesh)
         torch_fully_shard(run.stage, mesh=dp_mesh)
     module: nn.Module = Precision(run.stage, cfg.precision)
-    cls, kwargs = optimizer_class(cfg)
-    if cfg.zero == 1:
-        optimizer: torch.optim.Optimizer = TorchZero(run.stage.parameters(), cls, **kwargs)
-    else:
-        optimizer = cls(run.stage.parameters(), **kwargs)
+    optimizer = make_optimizer(cfg, run.stage.parameters(), TorchZero)
     if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
     return module, optimizer
 
 
-def optimizer_class(cfg: TrainConfig) -> tuple[type, dict[str, Any]]:
-    """The run's optimizer and its arguments: AdamW, or plain SGD, whose step is in proportion
-    to the gradient (AdamW's hardly changes when a gradient is summed instead of averaged)."""
+def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
+                   zero1: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The run's optimizer over `params`: AdamW, or plain SGD, whose step is in proportion to
+    the gradient (AdamW's hardly changes when a gradient is summed instead of averaged); with
+    ZeRO-1, sharded by `zero1(params, optimizer_class, **kwargs)` (ours or torch's)."""
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD, {"lr": cfg.lr}
-    return torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+    return zero1(params, cls, **kwargs) if cfg.zero == 1 else cls(params, **kwargs)
 
 
 # %% solutions/11_capstone.ipynb, cell 30
