@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from course_lib.dist import shm
+from course_lib.dist.wire import HEADER, encode_header
 from course_lib.spawn import SpawnError, spawn
 
 pytestmark = pytest.mark.skipif(not shm.enabled(), reason="shared memory needs Linux /dev/shm")
@@ -152,6 +153,74 @@ def test_a_large_send_leaves_on_the_callers_thread_only_when_slots_are_free(ring
     inline = ring_on == "1" and shm.ring_enabled()
     assert r0["done"] == [inline] * shm.SLOTS + [False, False], r0
     assert r0["thread_before_last"] is (not inline), r0
+
+
+class BytePipe:
+    """A frame stream in one process: what `send` writes, `recv_exact` reads back (`send` of
+    a frame's payload writes its header first: `headerless` drops it, as the receiver has read
+    it before it calls `shm.receive`)."""
+
+    def __init__(self):
+        self.data = bytearray()
+        self.sock = None  # only a wait for a slot looks at it, and no test here waits
+
+    def room(self) -> int:
+        return 1 << 20
+
+    def send(self, parts: list, deadline: float) -> None:
+        for part in parts:
+            self.data += bytes(part)
+
+    def recv_exact(self, view: memoryview, deadline: float) -> None:
+        view[:] = self.data[:len(view)]
+        del self.data[:len(view)]
+
+    def send_payload(self, region: shm.Region, tensor: torch.Tensor) -> list[int]:
+        """`shm.send` a frame; the doorbells it rang (its header dropped)."""
+        start = len(self.data)
+        shm.send(region, self, encode_header(0, tensor), tensor, time.monotonic() + 5)
+        del self.data[start:start + HEADER.size]
+        return list(self.data[start:])
+
+
+@pytest.fixture
+def region_pair():
+    """One direction of a link inside this process: the writer's region and the reader's map."""
+    out = shm.Region(f"course_lib-dist-{os.urandom(16).hex()}", create=True)
+    try:
+        yield out, shm.Region(out.name, create=False)
+    finally:
+        out.unlink()
+
+
+def test_messages_that_fit_reuse_the_lowest_free_slots_named_in_their_doorbells(region_pair):
+    """A slot once emptied is the next one filled (its lines still in cache), and the receiver
+    takes each slot from the doorbell, not from a count of its own."""
+    out, incoming = region_pair
+    pipe, deadline = BytePipe(), time.monotonic() + 5
+    one = torch.arange(shm.SLOT_BYTES // 8, dtype=torch.float64)
+    for k in range(3):  # each received before the next is sent: always slot 0
+        assert pipe.send_payload(out, one + k) == [shm.DOORBELL]
+        got = torch.empty_like(one)
+        shm.receive(incoming, pipe, got, one.nbytes, deadline)
+        assert torch.equal(got, one + k)
+    assert pipe.send_payload(out, one) == [shm.DOORBELL]  # slot 0 full, not yet received
+    two = torch.arange(2 * one.numel(), dtype=torch.float64)
+    assert pipe.send_payload(out, two) == [shm.DOORBELL + 1, shm.DOORBELL + 2]
+    first, second = torch.empty_like(one), torch.zeros_like(two)
+    shm.receive(incoming, pipe, first, one.nbytes, deadline)
+    shm.receive(incoming, pipe, second, two.nbytes, deadline, combine=torch.Tensor.add_)
+    assert torch.equal(first, one) and torch.equal(second, two)
+    assert not any(out.busy(i) for i in range(shm.SLOTS))
+
+
+@pytest.mark.parametrize("bell", ["empty slot", "out of range"])
+def test_a_doorbell_naming_a_slot_not_filled_is_a_protocol_error(region_pair, bell):
+    out, incoming = region_pair
+    pipe = BytePipe()
+    pipe.data.append(shm.DOORBELL + (3 if bell == "empty slot" else shm.SLOTS))
+    with pytest.raises(shm.ProtocolError, match="doorbell"):
+        shm.receive(incoming, pipe, torch.empty(8), 64, time.monotonic() + 5)
 
 
 @pytest.fixture
