@@ -4,7 +4,8 @@
         --sizes 4KiB,1MiB,16MiB --algorithms ring,tree --repeats 20 --json out.json --plot out.png
 
 Each backend runs in its own fresh set of processes, once per round, and rounds alternate the
-order of backends and sizes. Per repeat, a barrier lines the ranks up and the operation's time
+order of backends and sizes. Each size starts with WARMUP untimed repeats (the steady state a
+training loop sees: a size's first calls after another size run on cold caches). Per repeat, a barrier lines the ranks up and the operation's time
 is the slowest rank's; a row reports the median over repeats. Every result is checked against
 the exact sum outside the timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p,
 in GB/s (nccl-tests' definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's
@@ -27,7 +28,7 @@ from course_lib.bench.common import median, slowest_rank
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
          "MB": 10 ** 6, "GB": 10 ** 9}
 DTYPE_BYTES = 4  # float32
-WARMUP = 2
+WARMUP = 10  # untimed repeats per size and process set
 
 
 def parse_size(text: str) -> int:
