@@ -35,8 +35,8 @@ from course_lib.dist.errors import ProtocolError
 from course_lib.dist.wire import FLAG_SHM, WireTimeout, recv_exact, send_parts, with_flags
 
 SHM_DIR = "/dev/shm"
-SLOTS = 8
-SLOT_BYTES = 512 * 1024
+SLOTS = 4
+SLOT_BYTES = 1024 * 1024
 FLAG_BYTES = 64  # one flag byte per slot, padded to a cache line
 CTRL_BYTES = 192  # the ring's head, tail and sleeping flag, a cache line each
 RING_BYTES = 256 * 1024
