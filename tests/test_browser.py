@@ -14,20 +14,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
-
-from course_lib.backend import free_port
+from lab_server import ROOT, running_lab
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-output" / "browser"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # As root in a container, and on a machine whose network is closed: no sandbox, no GPU, no
@@ -36,23 +31,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--disable-dev-shm-usage"]
 TOKEN = "course-browser-test"
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """End the lab server and everything it started (kernels, engines), by PID."""
-    try:
-        family = [psutil.Process(proc.pid)]
-        family += family[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in reversed(family):
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    for p in psutil.wait_procs(family, 20)[1]:
-        p.kill()
-    proc.wait(10)
 
 
 def _needs_a_browser():
@@ -79,27 +57,11 @@ def browser():
 @contextlib.contextmanager
 def _lab(root: Path, *args: str):
     """`course.py lab ARGS` serving `root`; yields its base URL."""
-    port = free_port()
     env = dict(os.environ, COURSE_LIB_HOME=str(root / "home"))  # the learner's own package
-    proc = subprocess.Popen(
-        [sys.executable, "course.py", "lab", *args, "--no-browser", f"--port={port}",
-         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}",
-         f"--LabApp.workspaces_dir={root.parent / (root.name + '-workspaces')}"],  # fresh layout
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "course.py lab exited early"
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not answer within 120 s"
-                time.sleep(0.5)
+    with running_lab([*args, f"--ServerApp.root_dir={root}",
+                      f"--LabApp.workspaces_dir={root.parent / (root.name + '-workspaces')}"],
+                     TOKEN, env) as base:  # a fresh layout
         yield base
-    finally:
-        _end(proc)
 
 
 @pytest.fixture(scope="module")
