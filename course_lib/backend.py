@@ -91,16 +91,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_gloo_store: Any = None  # rank 0's TCPStore, listening since `prepare`, for `init` to use
+
+
 def prepare(backend: str, rank: int, host: str = "127.0.0.1") -> tuple[str, int] | None:
     """Step 1, on each rank: the address this rank offers, if its backend needs one
-    (scratch: this rank's listening socket; gloo: rank 0's store port)."""
+    (scratch: this rank's listening socket; gloo: rank 0's store, already listening: a port
+    only chosen here could be taken by another process before `init` binds it)."""
+    global _gloo_store
     if backend == "scratch":
         from course_lib import dist
 
         shutdown("scratch")  # a rebuild: close the old group before opening a new socket
         return dist.listen(host)
     if backend == "gloo" and rank == 0:
-        return host, free_port(host)
+        from torch.distributed import TCPStore
+
+        _gloo_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return host, _gloo_store.port
     return None
 
 
@@ -132,9 +140,15 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
     if backend == "gloo":
         import torch.distributed as tdist
 
-        tdist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{gloo_port}",
-                                 rank=rank, world_size=world_size,
-                                 timeout=timedelta(seconds=timeout))
+        wait = timedelta(seconds=timeout)
+        if rank == 0 and _gloo_store is not None and _gloo_store.port == gloo_port:
+            store = _gloo_store  # opened by `prepare`; the others connect to it
+            store.set_timeout(wait)
+        else:
+            store = tdist.TCPStore(master_addr, gloo_port, is_master=rank == 0, timeout=wait,
+                                   wait_for_workers=False)
+        tdist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                 timeout=wait)
     elif backend == "scratch":
         from course_lib import dist
 

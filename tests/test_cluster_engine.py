@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -52,6 +53,17 @@ def test_rendezvous_arguments_per_backend():
     assert backend.prepare("none", 0) is None and backend.prepare("gloo", 1) is None
     host, port = backend.prepare("gloo", 0)
     assert host == "127.0.0.1" and port > 0
+
+
+def test_gloo_rank_0_listens_from_prepare_on():
+    """The port rank 0 offers is its store's, bound already: nothing can take it between the
+    rendezvous and init (a port merely chosen could be), and two prepares get two ports."""
+    _, port = backend.prepare("gloo", 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    with pytest.raises(OSError):
+        socket.create_server(("127.0.0.1", port))
+    assert backend.prepare("gloo", 0)[1] != port
 
 
 def test_backend_checks_name_the_problem():
