@@ -81,7 +81,7 @@ class ProcessSet:
 def running(pid: int) -> bool:
     """True while `pid` runs; a zombie (exited, not yet reaped) has died."""
     try:
-        return _alive(psutil.Process(pid))
+        return alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -120,7 +120,7 @@ def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psuti
     to reap, or for init, which in some containers never does (waiting for it to vanish cost a
     whole `grace` per cluster stop there)."""
     deadline = time.monotonic() + timeout
-    while (still := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+    while (still := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.02)
     for p in procs if reap else []:
         try:
@@ -131,7 +131,7 @@ def _wait(procs: list[psutil.Process], timeout: float, reap: bool) -> list[psuti
     return still
 
 
-def _alive(p: psutil.Process) -> bool:
+def alive(p: psutil.Process) -> bool:
     """Whether `p` (the very process noted, not a recycled PID) runs and is not a zombie."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE

@@ -23,6 +23,7 @@ import psutil
 from jupyter_client.provisioning import LocalProvisioner
 
 from course_lib.cluster import zygote
+from course_lib.processes import alive
 
 NAME = "course-zygote"  # the entry point's name (pyproject.toml)
 LAUNCHER = ["-m", "ipykernel_launcher"]  # what the kernel command must run to be forked
@@ -39,13 +40,8 @@ class ForkedKernel:
         self._proc = psutil.Process(pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                gone = self._proc.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                gone = True
-            if gone:
-                self.returncode = 0
+        if self.returncode is None and not alive(self._proc):
+            self.returncode = 0
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -98,35 +98,25 @@ def _become(request: dict) -> None:
         os._exit(code)
 
 
-def _started_at(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time
-    except (OSError, IndexError):
-        return None
-
-
 def _exit_with(parent: int) -> None:
     """End this process when `parent` (a kernel's manager, not its parent here) ends, as
     ipykernel's parent poller does for the kernels a manager starts itself."""
     import threading
     import time
 
-    born = _started_at(parent)
+    import psutil
+
+    from course_lib.processes import alive
+
+    try:
+        manager = psutil.Process(parent)
+    except psutil.NoSuchProcess:
+        os._exit(1)
 
     def watch() -> None:
-        while True:
-            try:
-                os.kill(parent, 0)
-                if _started_at(parent) == born:
-                    time.sleep(1.0)
-                    continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:  # alive, another user's: not a recycled PID of ours
-                time.sleep(1.0)
-                continue
-            os._exit(1)
+        while alive(manager):  # the very process: a recycled PID is not it
+            time.sleep(1.0)
+        os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="course-parent-watch").start()
 
