@@ -124,9 +124,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 __all__ = ["PRECISIONS", "TrainConfig", "check_config", "precision_forward", "Precision",
     "update_scale", "DynamicLossScaler", "TextWindows", "batches", "stage_layers", "tied_groups",
-    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "make_optimizer",
-    "train", "train_one_process", "reference_losses", "spawn_rank", "flags", "torchrun",
-    "parse_args", "main"]
+    "Run", "wrap", "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "shard_units",
+    "make_optimizer", "train", "train_one_process", "reference_losses", "spawn_rank", "flags",
+    "torchrun", "parse_args", "main"]
 
 
 # %% solutions/11_capstone.ipynb, cell 18
@@ -387,10 +387,8 @@ def wrap(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The course's components over the data-parallel group: DDP (lesson 04), ZeRO-1 or
     ZeRO-3 (lesson 08); around them the compute precision."""
     cfg, dist, group = run.cfg, run.dist, run.layout.group("dp")
-    if cfg.zero == 3:  # a unit per block; the root holds the embedding and its tied head
-        for block in list(run.stage)[1:-1]:
-            fully_shard(block, dist=dist, group=group)
-        fully_shard(run.stage, dist=dist, group=group)
+    if cfg.zero == 3:
+        shard_units(run.stage, functools.partial(fully_shard, dist=dist, group=group))
     module: nn.Module = Precision(run.stage, cfg.precision)
     optimizer = make_optimizer(cfg, run.stage.parameters(),
                                functools.partial(ZeroRedundancyOptimizer, dist=dist, group=group))
@@ -456,14 +454,20 @@ def wrap_torch(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
     if cfg.zero == 3:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        for block in list(run.stage)[1:-1]:
-            torch_fully_shard(block, mesh=dp_mesh)
-        torch_fully_shard(run.stage, mesh=dp_mesh)
+        shard_units(run.stage, functools.partial(torch_fully_shard, mesh=dp_mesh))
     module: nn.Module = Precision(run.stage, cfg.precision)
     optimizer = make_optimizer(cfg, run.stage.parameters(), TorchZero)
     if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
     return module, optimizer
+
+
+def shard_units(stage: nn.Module, fully_shard_fn: Callable[[nn.Module], Any]) -> None:
+    """ZeRO-3's units, ours or FSDP2's: one per block, then the root, which holds the
+    embedding and its tied head."""
+    for block in list(stage)[1:-1]:
+        fully_shard_fn(block)
+    fully_shard_fn(stage)
 
 
 def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
