@@ -3,10 +3,12 @@ a ProcessSet notes descendants as well."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from course_lib.processes import ProcessSet, end_processes, record, running
@@ -58,10 +60,6 @@ def test_process_set_notes_descendants_and_ends_them():
 def test_a_child_is_reaped_and_anothers_zombie_is_not_waited_for():
     """Our own child ends reaped (no zombie left); a process whose parent never reaps it (as
     init does not in some containers) counts as ended at once, not after the grace."""
-    import os
-
-    import psutil
-
     child = subprocess.Popen(SLEEP)
     end_processes(record(child.pid), grace=2.0)
     with pytest.raises(ChildProcessError):  # reaped already: no zombie left behind
