@@ -68,7 +68,7 @@ class Sender:
                 return self._enqueue(item)
             self.writing = True
         try:
-            self._write(item, wait=blocking or via_shm)
+            self._write(item, wait=blocking)
         finally:
             with self.cond:
                 if item.parts:  # the socket buffer was full: the thread sends the rest first
