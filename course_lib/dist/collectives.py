@@ -87,7 +87,10 @@ def reducer(op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous view of `t` (a copy only if `t` is not contiguous; see `_write_back`)."""
-    return t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().view(-1)
+    flat = t.detach()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat if flat.dim() == 1 else flat.view(-1)
 
 
 def _write_back(t: torch.Tensor, flat: torch.Tensor) -> None:

@@ -71,6 +71,10 @@ class TagMatcher:
         self._posted.setdefault(req.tag, deque()).append(req)
         return None
 
+    def holds(self, tag: int) -> bool:
+        """Whether a receive is posted for `tag` or a message for it is waiting."""
+        return tag in self._posted or tag in self._unexpected
+
     def pop(self, tag: int) -> RecvRequest | None:
         """The oldest receive posted for `tag`, taken off the list (None if there is none)."""
         queue = self._posted.get(tag)

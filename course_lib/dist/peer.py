@@ -5,8 +5,8 @@ rank 1 -> `Sender.isend` writes the frame (`wire`: header, then the tensor's own
 `shm` to a rank on this machine when large). On rank 1, `Receiver.progress` reads the header,
 `TagMatcher` finds the receive posted for its tag, and the payload lands in that tensor.
 
-Lock order. A link has two locks, the receive lock (`Receiver.cond`) and the send lock
-(`Sender.cond`); no thread ever holds both (`fail` takes one, releases it, then takes the
+Lock order. A link has two locks, the receive lock (`Receiver.lock`) and the send lock
+(`Sender.lock`); no thread ever holds both (`fail` takes one, releases it, then takes the
 other). `Work`'s event lock is taken last, for an instant, under either.
 """
 
@@ -82,7 +82,7 @@ class Peer:
 
     def fail(self, reason: str) -> None:
         """Mark the link dead: every pending and later operation raises with `reason`."""
-        with self.receiver.cond:
+        with self.receiver.lock:
             if self.dead is not None:
                 return
             self.dead = reason

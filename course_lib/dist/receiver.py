@@ -37,7 +37,8 @@ class Receiver:
         self.peer, self.sock, self.region = peer, sock, region
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
-        self.cond = threading.Condition()  # the receive lock
+        self.lock = threading.Lock()  # the receive lock
+        self.cond = threading.Condition(self.lock)  # what waits for the reader or the queue
         self.matcher = TagMatcher()
         self.reading = False  # one reader of the socket at a time
         self._header = memoryview(bytearray(HEADER.size))
@@ -51,7 +52,7 @@ class Receiver:
         """Register a receive; it completes at once if the message is already here."""
         what = What(self.peer.rank, name, "recv from", self.peer.peer_rank)
         req = RecvRequest(tensor, tag, what, deadline, self.progress, combine)
-        with self.cond:
+        with self.lock:
             self.peer.check_alive(name, "recv from")
             msg = self.matcher.post(req)
             if msg is not None:
@@ -62,7 +63,7 @@ class Receiver:
         """Post a receive that the receiver thread drives while the caller does other work."""
         req = self.post(tensor, tag, name, deadline)
         if not req.is_completed():
-            with self.cond:
+            with self.lock:
                 self._queue.append(req)
                 self.cond.notify_all()
                 if self._thread is None:
@@ -72,11 +73,48 @@ class Receiver:
     def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
              combine: Callable | None = None) -> None:
         """Blocking receive on the caller's thread (combined into `tensor` with `combine`)."""
-        self.progress(self.post(tensor, tag, name, deadline, combine), deadline)
+        if not self._recv_direct(tensor, tag, name, deadline, combine):
+            self.progress(self.post(tensor, tag, name, deadline, combine), deadline)
+
+    def _recv_direct(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+                     combine: Callable | None) -> bool:
+        """The common case without posting a request: nobody else reads this link and nothing
+        has come for `tag`, so read the next frame here; True if it was ours and is done (else
+        it went where it belongs, and the caller posts as usual)."""
+        if not tensor.is_contiguous():
+            return False
+        started = time.monotonic()
+        with self.lock:
+            if self.reading or self.peer.dead is not None or self.matcher.holds(tag):
+                return False
+            self.reading = True
+        try:
+            try:
+                frame = self._read_header(deadline)
+                if frame is not None and frame[0] == tag:
+                    dtype, shape, nbytes, via_shm, payload_deadline = frame[1:]
+                    error = self._mismatch(name, tensor, dtype, shape, tag)
+                    self._read_payload(tensor if error is None else None, nbytes, via_shm,
+                                       payload_deadline, combine)
+            except (WireTimeout, PeerClosed, ProtocolError, OSError) as exc:
+                self._broken(name, exc)
+                return False  # the link is dead: posting raises why
+            if frame is None:
+                raise self._timed_out(name, started)
+            if frame[0] != tag:
+                self._dispatch(frame, name)
+                return False
+            if error is not None:
+                raise error
+            return True
+        finally:
+            with self.lock:
+                self.reading = False
+                self.cond.notify_all()
 
     def _loop(self) -> None:
         while True:
-            with self.cond:
+            with self.lock:
                 while not self._queue and self.peer.dead is None:
                     self.cond.wait()
                 if self.peer.dead is not None:
@@ -89,7 +127,7 @@ class Receiver:
 
     def _deliver(self, req: RecvRequest, msg: torch.Tensor) -> None:
         """Complete `req` with a message that was kept before it was posted."""
-        error = self._mismatch(req, msg.dtype, tuple(msg.shape), req.tag)
+        error = self._mismatch(req.what.name, req.buffer, msg.dtype, tuple(msg.shape), req.tag)
         if error is None:
             if req.combine is not None:
                 req.combine(req.buffer, msg)
@@ -97,23 +135,23 @@ class Receiver:
                 req.buffer.copy_(msg)
         req.complete(error)
 
-    def _mismatch(self, req: RecvRequest, dtype: torch.dtype, shape: tuple,
+    def _mismatch(self, name: str, buffer: torch.Tensor, dtype: torch.dtype, shape: tuple,
                   tag: int) -> DistError | None:
-        if req.buffer.dtype == dtype and tuple(req.buffer.shape) == shape:
+        if buffer.dtype == dtype and tuple(buffer.shape) == shape:
             return None
         peer = self.peer
-        return peer.error(req.what.name, "recv from", _(
+        return peer.error(name, "recv from", _(
             "message mismatch (tag {tag}): rank {peer} sent {dtype} {shape}, rank {rank} expects "
             "{want_dtype} {want_shape}", tag=tag, peer=peer.peer_rank, dtype=dtype,
-            shape=list(shape), rank=peer.rank, want_dtype=req.buffer.dtype,
-            want_shape=list(req.buffer.shape)))
+            shape=list(shape), rank=peer.rank, want_dtype=buffer.dtype,
+            want_shape=list(buffer.shape)))
 
     # --- reading ------------------------------------------------------------------------
 
     def progress(self, req: RecvRequest, deadline: float) -> None:
         """Read frames until `req` is complete (another thread may complete it for us)."""
         while True:
-            with self.cond:
+            with self.lock:
                 while self.reading and req.state != DONE:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 and req.state == POSTED:
@@ -126,7 +164,7 @@ class Receiver:
             try:
                 self._read_one(req, deadline)
             finally:
-                with self.cond:
+                with self.lock:
                     self.reading = False
                     self.cond.notify_all()
         if req.exception() is not None:
@@ -134,69 +172,94 @@ class Receiver:
 
     def _expire(self, req: RecvRequest) -> None:
         self.matcher.withdraw(req)
-        late = _("timed out after {seconds}s", seconds=f"{time.monotonic() - req.started:.1f}")
-        req.complete(self.peer.error(req.what.name, "recv from", late, timeout=True))
+        req.complete(self._timed_out(req.what.name, req.started))
+
+    def _timed_out(self, name: str, started: float) -> DistError:
+        late = _("timed out after {seconds}s", seconds=f"{time.monotonic() - started:.1f}")
+        return self.peer.error(name, "recv from", late, timeout=True)
 
     def _read_one(self, req: RecvRequest, deadline: float) -> None:
         """Read one frame and hand it to its receive (or keep it); a broken stream is fatal."""
-        name, target = req.what.name, None
+        name = req.what.name
         try:
-            try:
-                self.stream.recv_exact(self._header, deadline)
-            except WireTimeout as exc:
-                if exc.received:
-                    raise
-                with self.cond:
-                    if req.state == POSTED:
-                        self._expire(req)
-                return
-            tag, dtype, shape, nbytes = decode_header(self._header)
-            via_shm = bool(flags_of(self._header) & FLAG_SHM)
-            if via_shm and self.region is None:
-                raise ProtocolError("shared-memory frame on a link without shared memory")
-            # The sender has started this frame: allow it time to finish (a full timeout if
-            # the reader's own deadline is close; the same deadline saves re-arming it).
-            now = time.monotonic()
-            payload_deadline = deadline if deadline - now > 1.0 else now + self.peer.timeout
-            if tag == ABORT_TAG:
-                text = bytearray(nbytes)
-                self.stream.recv_exact(memoryview(text), payload_deadline)
-                return self.peer.fatal(name, "recv from", "group aborted: " +
-                                       text.decode("utf-8", "replace"))
-            with self.cond:
+            frame = self._read_header(deadline)
+        except (WireTimeout, PeerClosed, ProtocolError, OSError) as exc:
+            return self._broken(name, exc)
+        if frame is None:
+            with self.lock:
+                if req.state == POSTED:
+                    self._expire(req)
+            return
+        self._dispatch(frame, name)
+
+    def _read_header(self, deadline: float) -> tuple | None:
+        """The next frame's (tag, dtype, shape, nbytes, via_shm, payload deadline); None if
+        nothing came by `deadline`. An abort frame is read whole and raised as PeerClosed."""
+        try:
+            self.stream.recv_exact(self._header, deadline)
+        except WireTimeout as exc:
+            if exc.received:
+                raise
+            return None
+        tag, dtype, shape, nbytes = decode_header(self._header)
+        via_shm = bool(flags_of(self._header) & FLAG_SHM)
+        if via_shm and self.region is None:
+            raise ProtocolError("shared-memory frame on a link without shared memory")
+        # The sender has started this frame: allow it time to finish (a full timeout if the
+        # reader's own deadline is close; the same deadline saves re-arming it).
+        now = time.monotonic()
+        payload_deadline = deadline if deadline - now > 1.0 else now + self.peer.timeout
+        if tag == ABORT_TAG:
+            text = bytearray(nbytes)
+            self.stream.recv_exact(memoryview(text), payload_deadline)
+            raise PeerClosed("group aborted: " + text.decode("utf-8", "replace"))
+        return tag, dtype, shape, nbytes, via_shm, payload_deadline
+
+    def _dispatch(self, frame: tuple, name: str) -> None:
+        """Read the payload of a frame whose header was read into the receive posted for its
+        tag, or keep it for a receive still to come; a broken stream is fatal."""
+        tag, dtype, shape, nbytes, via_shm, payload_deadline = frame
+        target = None
+        try:
+            with self.lock:
                 target = self.matcher.pop(tag)
                 if target is not None:
                     target.state = FILLING
             if target is None:
                 msg = torch.empty(shape, dtype=dtype)
                 self._read_payload(msg, nbytes, via_shm, payload_deadline)
-                with self.cond:
+                with self.lock:
                     late = self.matcher.pop(tag)
                     if late is not None:
                         self._deliver(late, msg)
                     else:
                         self.matcher.keep(tag, msg)
                 return
-            error = self._mismatch(target, dtype, shape, tag)
+            error = self._mismatch(target.what.name, target.buffer, dtype, shape, tag)
             self._read_payload(target.buffer if error is None else None, nbytes, via_shm,
                                payload_deadline, target.combine)
-            with self.cond:
+            with self.lock:
                 target.complete(error)
-        except WireTimeout:
-            self.peer.fatal(name, "recv from", "timed out in the middle of a message")
-        except PeerClosed as exc:
-            self.peer.fatal(name, "recv from", self.peer.dead or str(exc))
-        except ProtocolError as exc:
-            log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
-                        self.peer.rank, self.peer.peer_rank, exc)
-            self.peer.fatal(name, "recv from", f"malformed frame ({exc})")
-        except OSError as exc:
-            self.peer.fatal(name, "recv from",
-                            self.peer.dead or f"connection lost ({exc.strerror or exc})")
+        except (WireTimeout, PeerClosed, ProtocolError, OSError) as exc:
+            self._broken(name, exc)
         if target is not None and target.state != DONE:  # it was being filled when the link died
-            with self.cond:
+            with self.lock:
                 target.complete(self.peer.error(target.what.name, "recv from",
                                                 self.peer.dead or "link lost"))
+
+    def _broken(self, name: str, exc: Exception) -> None:
+        """The stream broke while `name` read it: the link is dead, and the group with it."""
+        if isinstance(exc, WireTimeout):
+            reason = "timed out in the middle of a message"
+        elif isinstance(exc, PeerClosed):
+            reason = self.peer.dead or str(exc)
+        elif isinstance(exc, ProtocolError):
+            log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
+                        self.peer.rank, self.peer.peer_rank, exc)
+            reason = f"malformed frame ({exc})"
+        else:
+            reason = self.peer.dead or f"connection lost ({exc.strerror or exc})"
+        self.peer.fatal(name, "recv from", reason)
 
     def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
                       deadline: float, combine: Callable | None = None) -> None:
@@ -207,9 +270,8 @@ class Receiver:
         elif buffer is None:
             self._drain(nbytes, deadline)
         elif combine is not None:
-            incoming = torch.empty_like(buffer)
-            self.stream.recv_exact(byte_view(incoming), deadline)
-            combine(buffer, incoming)
+            self.stream.recv_reduce(buffer if buffer.dim() == 1 else buffer.view(-1), combine,
+                                    deadline)
         else:
             self.stream.recv_exact(byte_view(buffer), deadline)
 
@@ -223,7 +285,7 @@ class Receiver:
 
     def fail(self, reason: str) -> None:
         """Fail every posted receive with `reason` and let the thread end."""
-        with self.cond:
+        with self.lock:
             for req in self.matcher.drain():
                 req.complete(self.peer.error(req.what.name, "recv from", reason))
             self.cond.notify_all()

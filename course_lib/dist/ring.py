@@ -20,9 +20,13 @@ import platform
 import select
 import socket
 import time
+from typing import Callable
+
+import torch
 
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import PeerClosed, WireTimeout, recv_exact, send_parts, try_send
+from course_lib.dist.wire import (PeerClosed, WireTimeout, byte_view, recv_exact, send_parts,
+                                  try_send)
 
 SPIN_SECONDS = 50e-6  # spinning holds the GIL: long enough for a reply on its way, no more
 NAP_SECONDS = (0.001, 0.02)  # the sleeping reader's first and longest look-again interval
@@ -52,6 +56,9 @@ class SocketStream:
     def recv_exact(self, view: memoryview, deadline: float) -> None:
         recv_exact(self.sock, view, deadline)
 
+    def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
+        reduce_through_copy(self, target, combine, deadline)
+
 
 class RingStream:
     """One direction of a link through a ring in shared memory (`ctrl`: the 8-byte head, the
@@ -67,17 +74,20 @@ class RingStream:
     # --- the writer end -------------------------------------------------------------------
 
     def _put(self, parts: list) -> list:
-        """Copy what fits now; return what is left."""
-        head = self.head[0]
-        free = self.size - (head - self.tail[0])
+        """Copy what fits now; return what is left (`parts` are bytes-like, one byte per item)."""
+        head, size = self.head[0], self.size
+        free = size - (head - self.tail[0])
         left = []
         for part in parts:
-            part = memoryview(part).cast("B") if not isinstance(part, memoryview) else part
-            if part.format != "B" or part.ndim != 1:
-                part = part.cast("B")
+            n, pos = len(part), head % size
+            if n <= free and pos + n <= size:  # the usual case: all of it, in one piece
+                self.data[pos:pos + n] = part
+                head, free = head + n, free - n
+                continue
+            part = memoryview(part).cast("B")
             while len(part) and free:
-                pos = head % self.size
-                n = min(len(part), free, self.size - pos)
+                pos = head % size
+                n = min(len(part), free, size - pos)
                 self.data[pos:pos + n] = part[:n]
                 head, free, part = head + n, free - n, part[n:]
             if len(part):
@@ -123,7 +133,7 @@ class RingStream:
             tail = self.tail[0]
             avail = self.head[0] - tail
             if not avail:
-                self._wait(deadline, got)
+                self._wait(deadline, got, tail)
                 continue
             pos = tail % self.size
             k = min(n - got, avail, self.size - pos)
@@ -131,17 +141,32 @@ class RingStream:
             self.tail[0] = tail + k
             got += k
 
-    def _wait(self, deadline: float, got: int) -> None:
-        """Until `head` moves: spin briefly, then sleep on the socket, looking again often."""
+    def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
+        """Receive a payload of `target`'s size and dtype, reduced into `target` (contiguous,
+        1-D) with `combine(target, message)`: straight from the ring when the payload lies there
+        in one piece, else through a temporary."""
+        n, tail = target.numel() * target.element_size(), self.tail[0]
+        if n == 0:
+            return
+        pos = tail % self.size
+        if pos + n > self.size:  # it wraps around the ring's end
+            return reduce_through_copy(self, target, combine, deadline)
+        while (head := self.head[0]) - tail < n:
+            self._wait(deadline, head - tail, head)
+        combine(target, torch.frombuffer(self.data[pos:pos + n], dtype=target.dtype))
+        self.tail[0] = tail + n
+
+    def _wait(self, deadline: float, got: int, head: int) -> None:
+        """Until the writer moves `head` on from the value seen: spin briefly, then sleep on
+        the socket, looking again often."""
         start = time.perf_counter()
-        tail = self.tail[0]
         while time.perf_counter() - start < SPIN_SECONDS:
-            if self.head[0] != tail:
+            if self.head[0] != head:
                 return
         nap = NAP_SECONDS[0]
         self.sleeping[0] = 1
         try:
-            while self.head[0] == tail:
+            while self.head[0] == head:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise WireTimeout(got)
@@ -171,3 +196,11 @@ def check_peer(sock: socket.socket) -> None:
             raise PeerClosed("peer closed the connection")
     except BlockingIOError:
         pass
+
+
+def reduce_through_copy(stream, target: torch.Tensor, combine: Callable,
+                        deadline: float) -> None:
+    """Receive a payload into a temporary, then reduce it into `target`."""
+    incoming = torch.empty_like(target)
+    stream.recv_exact(byte_view(incoming), deadline)
+    combine(target, incoming)

@@ -46,7 +46,8 @@ class Sender:
         # Frames travel on the ring in shared memory when the peer reads it, else the socket.
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
-        self.cond = threading.Condition()  # the send lock
+        self.lock = threading.Lock()  # the send lock
+        self.cond = threading.Condition(self.lock)  # what the sender thread and an abort wait on
         self.queue: deque[Outgoing] = deque()
         self.writing = False  # one writer at a time: the caller's thread or the sender thread
         self._thread: threading.Thread | None = None
@@ -54,23 +55,24 @@ class Sender:
     def isend(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
               blocking: bool = False) -> Work:
         """Send `tensor` after earlier sends to this peer; `blocking` writes it all here."""
-        tensor = tensor.detach().contiguous()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
         payload = byte_view(tensor)
+        header = encode_header(tag, tensor)
         via_shm = self.region is not None and len(payload) > shm.MIN_BYTES
         work = Work(deadline, What(self.peer.rank, name, "send to", self.peer.peer_rank))
-        item = Outgoing(work, [encode_header(tag, tensor), payload], tensor, via_shm)
-        with self.cond:
+        item = Outgoing(work, [header, payload], tensor, via_shm)
+        with self.lock:
             self.peer.check_alive(name, "send to")
-            inline = blocking or len(payload) <= INLINE_MAX or (
-                via_shm and shm.fits_now(self.region, self.stream, len(item.parts[0]),
-                                         len(payload)))
-            if self.queue or self.writing or not inline:
+            if self.queue or self.writing or not (
+                    blocking or len(payload) <= INLINE_MAX or via_shm and shm.fits_now(
+                        self.region, self.stream, len(header), len(payload))):
                 return self._enqueue(item)
             self.writing = True
         try:
             self._write(item, wait=blocking)
         finally:
-            with self.cond:
+            with self.lock:
                 if item.parts:  # the socket buffer was full: the thread sends the rest first
                     self._enqueue(item, first=True)
                 self.writing = False
@@ -116,7 +118,7 @@ class Sender:
 
     def _loop(self) -> None:
         while True:
-            with self.cond:
+            with self.lock:
                 while (not self.queue or self.writing) and self.peer.dead is None:
                     self.cond.wait()
                 if self.peer.dead is not None:
@@ -126,14 +128,14 @@ class Sender:
             try:
                 self._write(item, wait=True)
             finally:
-                with self.cond:
+                with self.lock:
                     self.writing = False
                     self.cond.notify_all()
 
     def send_abort(self, reason: str) -> None:
         """Best effort: tell the peer the group is dead, unless a send is stuck mid-frame."""
         payload = torch.tensor(list(reason.encode()[:4096]), dtype=torch.uint8)
-        with self.cond:
+        with self.lock:
             if self.peer.dead is not None or not self.cond.wait_for(
                     lambda: not self.writing, timeout=0.5):
                 return
@@ -144,12 +146,12 @@ class Sender:
         except (OSError, WireTimeout):
             pass
         finally:
-            with self.cond:
+            with self.lock:
                 self.writing = False
 
     def fail(self, reason: str) -> None:
         """Fail every queued send with `reason` and let the thread end."""
-        with self.cond:
+        with self.lock:
             for item in self.queue:
                 item.work.finish(self.peer.error(item.work.what.name, "send to", reason))
             self.queue.clear()

@@ -1,0 +1,90 @@
+"""The shared-memory ring one link direction's frames travel on (course_lib/dist/ring.py),
+both ends in this process: bytes cross the ring's end intact, and a reducing receive takes
+its payload straight from the ring, or through a copy where it wraps, with the same result."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from course_lib.dist import ring
+from course_lib.dist.wire import WireTimeout, byte_view
+
+pytestmark = pytest.mark.skipif(not ring.supported(), reason="the ring needs x86's ordering")
+
+RING_BYTES = 1000  # not a multiple of any element size: payloads wrap at odd places
+
+
+@pytest.fixture
+def stream():
+    """A ring whose writer and reader are the same object (they share ctrl and data)."""
+    a, b = socket.socketpair()
+    try:
+        yield ring.RingStream(a, memoryview(bytearray(192)), memoryview(bytearray(RING_BYTES)))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bytes_cross_the_ring_end_in_order(stream):
+    deadline = time.monotonic() + 5
+    sent = [bytes(range(k % 256, k % 256 + 1)) * n for k, n in enumerate([300, 500, 7, 640, 1])]
+    for part in sent:
+        stream.send([part], deadline)
+        got = bytearray(len(part))
+        stream.recv_exact(memoryview(got), deadline)
+        assert got == part
+    assert stream.head[0] == stream.tail[0] == sum(map(len, sent))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int16])
+def test_a_reducing_receive_equals_the_sum_in_place_and_across_the_end(stream, dtype):
+    """Payloads at every offset of the ring, some lying in one piece (reduced from the ring)
+    and some wrapping (reduced from a copy): each gives exactly acc + message."""
+    deadline = time.monotonic() + 5
+    gen = torch.Generator().manual_seed(0)
+    wrapped = direct = 0
+    for numel in [37, 120, 5, 64, 101, 3, 90, 77, 0, 111]:
+        message = torch.randint(-50, 50, (numel,), generator=gen).to(dtype)
+        acc = torch.randint(-50, 50, (numel,), generator=gen).to(dtype)
+        expected = acc + message
+        start = stream.tail[0] % RING_BYTES
+        if start + message.nbytes > RING_BYTES:
+            wrapped += 1
+        else:
+            direct += 1
+        stream.send([byte_view(message)], deadline)
+        stream.recv_reduce(acc, torch.Tensor.add_, deadline)
+        assert torch.equal(acc, expected)
+        assert stream.tail[0] == stream.head[0]
+    assert wrapped and direct  # both paths were taken
+
+
+def test_a_reducing_receive_waits_for_a_payload_written_in_pieces(stream):
+    deadline = time.monotonic() + 5
+    message = torch.arange(100, dtype=torch.float32)
+    raw = bytes(byte_view(message))
+
+    def writer():
+        for k in range(0, len(raw), 120):
+            time.sleep(0.01)
+            stream.send([raw[k:k + 120]], deadline)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    acc = torch.ones(100)
+    stream.recv_reduce(acc, torch.Tensor.add_, deadline)
+    thread.join()
+    assert torch.equal(acc, message + 1)
+
+
+def test_a_reducing_receive_times_out_saying_how_much_had_come(stream):
+    half = bytes(byte_view(torch.ones(50)))[:100]
+    stream.send([half], time.monotonic() + 5)
+    with pytest.raises(WireTimeout) as caught:
+        stream.recv_reduce(torch.zeros(50), torch.Tensor.add_, time.monotonic() + 0.05)
+    assert caught.value.received == 100
