@@ -31,7 +31,7 @@ def die_mid_all_reduce(rank: int, world: int, outdir: str, victim: int) -> None:
     if rank == victim:
         def crash(*args):  # ...until the victim dies after receiving its first segment
             os._exit(17)
-        collectives.reduce_ = crash
+        collectives._REDUCERS[dist.ReduceOp.SUM] = crash  # what reduce_ and reducer call
     t0 = time.monotonic()
     try:
         dist.all_reduce(t, algorithm="ring")

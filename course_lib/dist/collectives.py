@@ -53,22 +53,23 @@ def check_op(op) -> ReduceOp:
     raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
 
 
+def _sum_into(acc: torch.Tensor, other: torch.Tensor) -> None:
+    acc.logical_or_(other) if acc.dtype == torch.bool else acc.add_(other)
+
+
+def _product_into(acc: torch.Tensor, other: torch.Tensor) -> None:
+    acc.logical_and_(other) if acc.dtype == torch.bool else acc.mul_(other)
+
+
+_REDUCERS = {ReduceOp.SUM: _sum_into, ReduceOp.AVG: _sum_into,  # AVG divides at the end
+             ReduceOp.PRODUCT: _product_into,
+             ReduceOp.MAX: lambda acc, other: torch.maximum(acc, other, out=acc),
+             ReduceOp.MIN: lambda acc, other: torch.minimum(acc, other, out=acc)}
+
+
 def reduce_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
     """acc = acc (op) other, in place (AVG sums; the caller divides at the end)."""
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        if acc.dtype == torch.bool:
-            acc.logical_or_(other)
-        else:
-            acc.add_(other)
-    elif op is ReduceOp.PRODUCT:
-        if acc.dtype == torch.bool:
-            acc.logical_and_(other)
-        else:
-            acc.mul_(other)
-    elif op is ReduceOp.MAX:
-        torch.maximum(acc, other, out=acc)
-    else:
-        torch.minimum(acc, other, out=acc)
+    _REDUCERS[op](acc, other)
 
 
 def _average(t: torch.Tensor, n: int, op: ReduceOp) -> None:
@@ -82,7 +83,7 @@ def _average(t: torch.Tensor, n: int, op: ReduceOp) -> None:
 
 def reducer(op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """`combine(dst, src)` for a receive that reduces into `dst` instead of copying."""
-    return lambda dst, src: reduce_(dst, src, op)
+    return _REDUCERS[op]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

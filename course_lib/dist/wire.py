@@ -83,8 +83,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtyp
         if code != DTYPE_CODE[torch.uint8] or ndim != 1 or shape[0] != nbytes or nbytes > 4096:
             raise ProtocolError("malformed abort frame")
         return tag, torch.uint8, (nbytes,), nbytes
-    if code >= len(DTYPES) or ndim > MAX_DIMS or any(s < 0 for s in shape) \
-            or any(shape[ndim:]):
+    if code >= len(DTYPES) or ndim > MAX_DIMS or min(shape) < 0 or any(shape[ndim:]):
         raise ProtocolError(f"bad dtype code {code}, ndim {ndim} or shape {shape}")
     dtype, shape = DTYPES[code], tuple(shape[:ndim])
     numel = 1
