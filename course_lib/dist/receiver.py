@@ -19,6 +19,7 @@ import torch
 from course_lib.dist import ring, shm
 from course_lib.dist.errors import DistError, ProtocolError
 from course_lib.dist.matching import DONE, FILLING, POSTED, RecvRequest, TagMatcher
+from course_lib.dist.waiting import CountedCondition
 from course_lib.dist.wire import (ABORT_TAG, FLAG_SHM, HEADER, PeerClosed, WireTimeout,
                                   byte_view, decode_header, flags_of)
 from course_lib.dist.work import What
@@ -38,7 +39,7 @@ class Receiver:
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
         self.lock = threading.Lock()  # the receive lock
-        self.cond = threading.Condition(self.lock)  # what waits for the reader or the queue
+        self.cond = CountedCondition(self.lock)  # what waits for the reader or the queue
         self.matcher = TagMatcher()
         self.reading = False  # one reader of the socket at a time
         self._header = memoryview(bytearray(HEADER.size))
@@ -65,7 +66,7 @@ class Receiver:
         if not req.is_completed():
             with self.lock:
                 self._queue.append(req)
-                self.cond.notify_all()
+                self.cond.wake()
                 if self._thread is None:
                     self._thread = self.peer.start_thread("receiver", self._loop)
         return req
@@ -110,7 +111,7 @@ class Receiver:
         finally:
             with self.lock:
                 self.reading = False
-                self.cond.notify_all()
+                self.cond.wake()
 
     def _loop(self) -> None:
         while True:
@@ -166,7 +167,7 @@ class Receiver:
             finally:
                 with self.lock:
                     self.reading = False
-                    self.cond.notify_all()
+                    self.cond.wake()
         if req.exception() is not None:
             raise req.exception()
 
@@ -288,7 +289,7 @@ class Receiver:
         with self.lock:
             for req in self.matcher.drain():
                 req.complete(self.peer.error(req.what.name, "recv from", reason))
-            self.cond.notify_all()
+            self.cond.wake()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:

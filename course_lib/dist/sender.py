@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from course_lib.dist import ring, shm
+from course_lib.dist.waiting import CountedCondition
 from course_lib.dist.wire import ABORT_TAG, WireTimeout, byte_view, encode_header
 from course_lib.dist.work import What, Work
 from course_lib.i18n import _
@@ -47,7 +48,7 @@ class Sender:
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
         self.lock = threading.Lock()  # the send lock
-        self.cond = threading.Condition(self.lock)  # what the sender thread and an abort wait on
+        self.cond = CountedCondition(self.lock)  # what the sender thread and an abort wait on
         self.queue: deque[Outgoing] = deque()
         self.writing = False  # one writer at a time: the caller's thread or the sender thread
         self._thread: threading.Thread | None = None
@@ -76,13 +77,13 @@ class Sender:
                 if item.parts:  # the socket buffer was full: the thread sends the rest first
                     self._enqueue(item, first=True)
                 self.writing = False
-                self.cond.notify_all()
+                self.cond.wake()
         return work
 
     def _enqueue(self, item: Outgoing, first: bool = False) -> Work:
         """Queue for the sender thread (call with the send lock held)."""
         self.queue.appendleft(item) if first else self.queue.append(item)
-        self.cond.notify_all()
+        self.cond.wake()
         if self._thread is None:
             self._thread = self.peer.start_thread("sender", self._loop)
         return item.work
@@ -130,7 +131,7 @@ class Sender:
             finally:
                 with self.lock:
                     self.writing = False
-                    self.cond.notify_all()
+                    self.cond.wake()
 
     def send_abort(self, reason: str) -> None:
         """Best effort: tell the peer the group is dead, unless a send is stuck mid-frame."""
@@ -155,7 +156,7 @@ class Sender:
             for item in self.queue:
                 item.work.finish(self.peer.error(item.work.what.name, "send to", reason))
             self.queue.clear()
-            self.cond.notify_all()
+            self.cond.wake()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
