@@ -186,3 +186,45 @@ def test_handshake_needs_the_secret():
     wrong = attempt(b"x" * 32)
     assert "did not prove it knows the cluster secret" in wrong["client_error"]
     assert "peer" not in wrong and wrong["server_error"]
+
+
+def exchanges(rank: int, world: int, sizes: list[int]) -> dict:
+    """`ProcessGroup.sendrecv` in place: with one partner, combined (a + b) and copied (a swap),
+    and around a ring (from the left, to the right); references computed from the inputs."""
+    from course_lib import dist
+    from course_lib.dist.group import resolve
+
+    g = resolve(None, "test")
+    out = {}
+    for n in sizes:  # small (written whole at once) and large (shm slots, the sender thread)
+        mine = lambda r: torch.arange(n, dtype=torch.float64) * (r + 1) + r  # noqa: E731
+        if world % 2 == 0:
+            partner = rank ^ 1
+            t = mine(rank)
+            g.sendrecv(t, partner, t, partner, tag=1, name="t", combine=torch.Tensor.add_)
+            out[f"sum {n}"] = torch.equal(t, mine(rank) + mine(partner))
+            t = mine(rank)
+            g.sendrecv(t, partner, t, partner, tag=2, name="t")
+            out[f"swap {n}"] = torch.equal(t, mine(partner))
+        t = mine(rank)
+        left, right = (rank - 1) % world, (rank + 1) % world
+        g.sendrecv(t, right, t, left, tag=3, name="t")
+        out[f"shift {n}"] = torch.equal(t, mine(left))
+    return out
+
+
+@pytest.mark.parametrize("world,shm", [(2, "1"), (3, "1"), (4, "1"), (2, "0")])
+def test_sendrecv_in_place_equals_the_exchanged_inputs(world, shm, monkeypatch):
+    monkeypatch.setenv("COURSE_DIST_SHM", shm)
+    for result in spawn(exchanges, world, [5, 3 << 20], backend="scratch", timeout=120):
+        assert result and all(result.values()), result
+
+
+def test_overlaps_sees_shared_memory_only():
+    from course_lib.dist.peer import overlaps
+
+    t = torch.arange(10.0)
+    assert overlaps(t, t) and overlaps(t[:6], t[4:])
+    assert not overlaps(t[:5], t[5:]) and not overlaps(t, torch.arange(10.0))
+    assert overlaps(t[::2], t[1::2])  # strided views of one storage: taken as overlapping
+    assert not overlaps(t[:0], t)  # nothing to overlap with

@@ -336,19 +336,12 @@ def _all_reduce_tree(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int
     """Recursive doubling: lg p exchanges of the whole tensor; extra ranks fold in and out."""
     index = _fold_in(g, flat, op, tag, name)
     if index is not None:
-        incoming = None
         for k in range(_power_of_two_below(g.size).bit_length() - 1):
             partner = _group_rank(index ^ (1 << k), g.size)
-            work = g.isend(flat, partner, tag, name)
-            # a (op) b == b (op) a bit for bit, so both sides agree whichever way they reduce
-            if work.is_completed():  # our bytes are out: reduce the message straight into flat
-                work.wait()
-                g.recv(flat, partner, tag, name, combine=reducer(op))
-                continue
-            incoming = torch.empty_like(flat) if incoming is None else incoming
-            g.recv(incoming, partner, tag, name)
-            work.wait()
-            reduce_(flat, incoming, op)
+            # Send flat and reduce the partner's message into it (a temporary holds the message
+            # only if our bytes are not out yet). a (op) b == b (op) a bit for bit, so both
+            # sides agree whichever way they reduce.
+            g.sendrecv(flat, partner, flat, partner, tag, name, combine=reducer(op))
     _fold_out(g, flat, tag, name)
 
 
@@ -389,9 +382,8 @@ def _halve_then_double(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: i
         keep, give = ((mid, hi), (lo, mid)) if index & mask else ((lo, mid), (mid, hi))
         kept = flat[bounds[keep[0]]:bounds[keep[1]]]
         partner = _group_rank(index ^ mask, g.size)
-        work = g.isend(flat[bounds[give[0]]:bounds[give[1]]], partner, tag, name)
-        g.recv(kept, partner, tag, name, combine=reducer(op))  # not being sent
-        work.wait()
+        g.sendrecv(flat[bounds[give[0]]:bounds[give[1]]], partner, kept, partner, tag, name,
+                   combine=reducer(op))
         lo, hi = keep
         mask >>= 1
     mask = 1
@@ -399,9 +391,8 @@ def _halve_then_double(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: i
         size = hi - lo
         other = (lo - size, lo) if index & mask else (hi, hi + size)
         partner = _group_rank(index ^ mask, g.size)
-        work = g.isend(flat[bounds[lo]:bounds[hi]], partner, tag, name)
-        g.recv(flat[bounds[other[0]]:bounds[other[1]]], partner, tag, name)
-        work.wait()
+        g.sendrecv(flat[bounds[lo]:bounds[hi]], partner, flat[bounds[other[0]]:bounds[other[1]]],
+                   partner, tag, name)
         lo, hi = min(lo, other[0]), max(hi, other[1])
         mask <<= 1
 

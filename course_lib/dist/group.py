@@ -21,7 +21,7 @@ import torch
 from course_lib.dist import flight
 from course_lib.dist.errors import DistError, DistTimeoutError
 from course_lib.dist.matching import RecvRequest
-from course_lib.dist.peer import Peer
+from course_lib.dist.peer import Peer, overlaps
 from course_lib.dist.work import What, Work, seconds
 from course_lib.dist.transport import Listener, Transport
 from course_lib.i18n import _
@@ -111,6 +111,19 @@ class ProcessGroup:
         """Receive into `tensor`; with `combine(dst, src)` the message is reduced into it
         instead, straight from shared memory when it travels there (no temporary)."""
         self.peer(frm, name).recv(tensor, tag, name, self.deadline(), combine)
+
+    def sendrecv(self, out: torch.Tensor, to: int, into: torch.Tensor, frm: int, tag: int,
+                 name: str, combine: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                 ) -> None:
+        """Send `out` to `to` and receive from `frm` into `into` (MPI_Sendrecv), combined with
+        `combine`; `into` may be `out` itself (see `Peer.sendrecv`). One peer both ways: a
+        small message goes out whole with no request object, the cheapest exchange we have."""
+        if to == frm:
+            self.peer(to, name).sendrecv(out, into, tag, name, self.deadline(), combine)
+            return
+        work = self.isend(out.clone() if overlaps(out, into) else out, to, tag, name)
+        self.recv(into, frm, tag, name, combine)
+        work.wait()
 
     def irecv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> RecvRequest:
         return self.peer(frm, name).irecv(tensor, tag, name, self.deadline())

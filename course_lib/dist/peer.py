@@ -59,6 +59,27 @@ class Peer:
              combine: Callable | None = None) -> None:
         self.receiver.recv(tensor, tag, name, deadline, combine)
 
+    def sendrecv(self, out: torch.Tensor, into: torch.Tensor, tag: int, name: str,
+                 deadline: float, combine: Callable | None = None) -> None:
+        """Send `out` and receive this peer's message for `tag` into `into` (MPI_Sendrecv),
+        combined into it with `combine`. `into` may share memory with `out` (a reduction in
+        place): the message then waits in a temporary until our own bytes are out."""
+        if out.is_contiguous() and self.sender.send_now(out, tag, name):
+            self.receiver.recv(into, tag, name, deadline, combine)
+            return
+        work = self.sender.isend(out, tag, name, deadline)
+        if work.is_completed():
+            work.wait()  # raises if the send failed
+            self.receiver.recv(into, tag, name, deadline, combine)
+        elif not overlaps(out, into):
+            self.receiver.recv(into, tag, name, deadline, combine)
+            work.wait()
+        else:
+            incoming = torch.empty_like(into)
+            self.receiver.recv(incoming, tag, name, deadline)
+            work.wait()
+            combine(into, incoming) if combine is not None else into.copy_(incoming)
+
     def send_abort(self, reason: str) -> None:
         self.sender.send_abort(reason)
 
@@ -110,3 +131,12 @@ class Peer:
                 s.close()
             except OSError:
                 pass
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share memory (conservatively, for strided views)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return True
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes

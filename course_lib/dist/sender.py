@@ -19,7 +19,7 @@ import torch
 
 from course_lib.dist import ring, shm
 from course_lib.dist.waiting import CountedCondition
-from course_lib.dist.wire import ABORT_TAG, WireTimeout, byte_view, encode_header
+from course_lib.dist.wire import ABORT_TAG, HEADER, WireTimeout, byte_view, encode_header
 from course_lib.dist.work import What, Work
 from course_lib.i18n import _
 
@@ -79,6 +79,24 @@ class Sender:
                 self.writing = False
                 self.cond.wake()
         return work
+
+    def send_now(self, tensor: torch.Tensor, tag: int, name: str) -> bool:
+        """Write a small contiguous `tensor`'s frame whole on the caller's thread, with no
+        request object, if the link is idle and its ring has room for the frame now; False
+        (nothing written) otherwise, or on a socket, which cannot promise to take it all."""
+        with self.lock:
+            self.peer.check_alive(name, "send to")
+            if (self.queue or self.writing or tensor.nbytes > INLINE_MAX
+                    or self.stream.room() < HEADER.size + tensor.nbytes):
+                return False
+            self.writing = True
+        try:  # all of it goes in: only this end fills the ring
+            self.stream.try_send([encode_header(tag, tensor), byte_view(tensor)])
+        finally:
+            with self.lock:
+                self.writing = False
+                self.cond.wake()
+        return True
 
     def _enqueue(self, item: Outgoing, first: bool = False) -> Work:
         """Queue for the sender thread (call with the send lock held)."""
