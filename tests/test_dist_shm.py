@@ -155,6 +155,43 @@ def test_a_large_send_leaves_on_the_callers_thread_only_when_slots_are_free(ring
     assert r0["thread_before_last"] is (not inline), r0
 
 
+def _switches(thread) -> int:
+    """How many times `thread` has gone to sleep and been woken (Linux's count)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("voluntary_ctxt_switches"))
+
+
+def wakes_of_idle_threads(rank: int, world: int) -> dict:
+    """Start both link threads (large sends that queue, an irecv), let them go idle, then run
+    small all_reduces and exchanges: how often each idle thread was woken meanwhile."""
+    from course_lib import dist
+    from course_lib.dist import group
+
+    peer = group._world.transport.peer(1 - rank)
+    big = torch.ones(3 * shm.SLOTS * shm.SLOT_BYTES // 4)
+    dist.all_reduce(big)  # large isends that wait for slots: the sender thread
+    dist.irecv(torch.empty(3), 1 - rank, tag=5).wait() if rank == 0 else dist.send(
+        torch.ones(3), 0, tag=5)  # an irecv: the receiver thread
+    time.sleep(0.2)
+    threads = {"sender": peer.sender._thread, "receiver": peer.receiver._thread}
+    before = {k: _switches(t) for k, t in threads.items() if t is not None}
+    small = torch.ones(1024)
+    for _ in range(200):
+        dist.all_reduce(small)
+        dist.barrier()
+    return {k: _switches(threads[k]) - v for k, v in before.items()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts Linux's switches")
+def test_small_messages_do_not_wake_the_links_idle_threads():
+    """The latency path has no thread hand-off: once a link's sender and receiver threads
+    have nothing to do, 400 small collectives wake neither of them."""
+    r0, r1 = spawn(wakes_of_idle_threads, 2, backend="scratch", timeout=120)
+    assert set(r0) == {"sender", "receiver"} and set(r1) == {"sender"}, (r0, r1)
+    assert all(n <= 2 for n in [*r0.values(), *r1.values()]), (r0, r1)  # before: 700-800
+
+
 class BytePipe:
     """A frame stream in one process: what `send` writes, `recv_exact` reads back (`send` of
     a frame's payload writes its header first: `headerless` drops it, as the receiver has read

@@ -3,7 +3,9 @@
 Whichever thread waits for a receive reads the socket itself (no thread hop on the latency
 path), one reader at a time; the link's receiver thread only drives `irecv`s nobody waits on
 yet. A frame's payload goes straight into the posted receive's memory, from the socket or from
-the shared-memory region; a frame nobody asked for is kept by the `TagMatcher`.
+the shared-memory region; a frame nobody asked for is kept by the `TagMatcher`. The common
+case, a blocking receive on a link nobody else reads, whose frame is the next to come, skips
+the request and the matcher altogether (`_recv_direct`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Receiver:
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
         self.lock = threading.Lock()  # the receive lock
-        self.cond = CountedCondition(self.lock)  # what waits for the reader or the queue
+        self.cond = CountedCondition(self.lock)  # receives waiting for the reader to finish
+        self.queued = threading.Condition(self.lock)  # the receiver thread waits for an irecv
         self.matcher = TagMatcher()
         self.reading = False  # one reader of the socket at a time
         self._header = memoryview(bytearray(HEADER.size))
@@ -66,7 +69,7 @@ class Receiver:
         if not req.is_completed():
             with self.lock:
                 self._queue.append(req)
-                self.cond.wake()
+                self.queued.notify()
                 if self._thread is None:
                     self._thread = self.peer.start_thread("receiver", self._loop)
         return req
@@ -117,7 +120,7 @@ class Receiver:
         while True:
             with self.lock:
                 while not self._queue and self.peer.dead is None:
-                    self.cond.wait()
+                    self.queued.wait()
                 if self.peer.dead is not None:
                     return
                 req = self._queue.popleft()
@@ -289,7 +292,8 @@ class Receiver:
         with self.lock:
             for req in self.matcher.drain():
                 req.complete(self.peer.error(req.what.name, "recv from", reason))
-            self.cond.wake()
+            self.cond.notify_all()
+            self.queued.notify_all()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:

@@ -5,6 +5,8 @@ it (no thread hop on the latency path), and so is a large one whose shared-memor
 free now; the rest, and large messages that would have to wait, queue for the link's sender
 thread, so sending overlaps the caller's receives. A payload going to a rank on
 this machine through shared memory is said so explicitly (`via_shm`), never guessed.
+`send_now` is the shortest path, for an exchange (`Peer.sendrecv`): a small frame that the
+link's ring takes whole right now, written with no request object.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Sender:
         self.stream = (region.ring_stream(sock) if region is not None and region.ring
                        else ring.SocketStream(sock))
         self.lock = threading.Lock()  # the send lock
-        self.cond = CountedCondition(self.lock)  # what the sender thread and an abort wait on
+        self.ready = threading.Condition(self.lock)  # the sender thread waits for a queued frame
+        self.idle = CountedCondition(self.lock)  # an abort waits for the writer to finish
         self.queue: deque[Outgoing] = deque()
         self.writing = False  # one writer at a time: the caller's thread or the sender thread
         self._thread: threading.Thread | None = None
@@ -76,8 +79,7 @@ class Sender:
             with self.lock:
                 if item.parts:  # the socket buffer was full: the thread sends the rest first
                     self._enqueue(item, first=True)
-                self.writing = False
-                self.cond.wake()
+                self._done_writing()
         return work
 
     def send_now(self, tensor: torch.Tensor, tag: int, name: str) -> bool:
@@ -94,14 +96,21 @@ class Sender:
             self.stream.try_send([encode_header(tag, tensor), byte_view(tensor)])
         finally:
             with self.lock:
-                self.writing = False
-                self.cond.wake()
+                self._done_writing()
         return True
+
+    def _done_writing(self) -> None:
+        """(send lock held) Let the next writer in: the thread if frames are queued, an abort.
+        Nobody is woken when nobody needs to be: this runs after every message."""
+        self.writing = False
+        if self.queue:
+            self.ready.notify()
+        self.idle.wake()
 
     def _enqueue(self, item: Outgoing, first: bool = False) -> Work:
         """Queue for the sender thread (call with the send lock held)."""
         self.queue.appendleft(item) if first else self.queue.append(item)
-        self.cond.wake()
+        self.ready.notify()
         if self._thread is None:
             self._thread = self.peer.start_thread("sender", self._loop)
         return item.work
@@ -139,7 +148,7 @@ class Sender:
         while True:
             with self.lock:
                 while (not self.queue or self.writing) and self.peer.dead is None:
-                    self.cond.wait()
+                    self.ready.wait()
                 if self.peer.dead is not None:
                     return
                 item = self.queue.popleft()
@@ -148,14 +157,13 @@ class Sender:
                 self._write(item, wait=True)
             finally:
                 with self.lock:
-                    self.writing = False
-                    self.cond.wake()
+                    self._done_writing()
 
     def send_abort(self, reason: str) -> None:
         """Best effort: tell the peer the group is dead, unless a send is stuck mid-frame."""
         payload = torch.tensor(list(reason.encode()[:4096]), dtype=torch.uint8)
         with self.lock:
-            if self.peer.dead is not None or not self.cond.wait_for(
+            if self.peer.dead is not None or not self.idle.wait_for(
                     lambda: not self.writing, timeout=0.5):
                 return
             self.writing = True
@@ -166,7 +174,7 @@ class Sender:
             pass
         finally:
             with self.lock:
-                self.writing = False
+                self._done_writing()
 
     def fail(self, reason: str) -> None:
         """Fail every queued send with `reason` and let the thread end."""
@@ -174,7 +182,8 @@ class Sender:
             for item in self.queue:
                 item.work.finish(self.peer.error(item.work.what.name, "send to", reason))
             self.queue.clear()
-            self.cond.wake()
+            self.ready.notify_all()
+            self.idle.notify_all()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
