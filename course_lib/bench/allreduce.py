@@ -4,8 +4,12 @@
         --sizes 4KiB,1MiB,16MiB --algorithms ring,tree --repeats 20 --json out.json --plot out.png
 
 Each backend runs in its own fresh set of processes, once per round, and rounds alternate the
-order of backends and sizes. Each size starts with WARMUP untimed repeats (the steady state a
-training loop sees: a size's first calls after another size run on cold caches). Per repeat, a barrier lines the ranks up and the operation's time
+order of backends and sizes. Each size starts with `--warmup` untimed repeats (default WARMUP):
+what is timed is the steady state a training loop sees, thousands of calls in, not a fresh
+process's first calls (a size's first calls after another size run on cold caches, and the
+interpreter specializes Python code over its first hundred or so calls: in a fresh pair of
+ranks our 4 KiB all_reduce took about 23 us over calls 10-50 and 19.5 over calls 100-200, and
+MPICH's gains too). Per repeat, a barrier lines the ranks up and the operation's time
 is the slowest rank's; a row reports the median over repeats. Every result is checked against
 the exact sum outside the timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p,
 in GB/s (nccl-tests' definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's
@@ -28,7 +32,7 @@ from course_lib.bench.common import median, slowest_rank
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
          "MB": 10 ** 6, "GB": 10 ** 9}
 DTYPE_BYTES = 4  # float32
-WARMUP = 10  # untimed repeats per size and process set
+WARMUP = 100  # untimed repeats per size and process set
 
 
 def parse_size(text: str) -> int:
@@ -56,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithms", default="ring",
                         help="scratch algorithms, comma list of ring, tree, naive, auto")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help=f"untimed repeats per size and process set (default {WARMUP})")
     parser.add_argument("--rounds", type=int, default=2,
                         help="fresh process sets per backend; repeats are spread over them")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process set")
@@ -91,7 +97,7 @@ def bind_to_core(rank: int, world: int) -> None:
 
 
 def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
-            repeats: int, bind: str = "none") -> dict[str, list[float]]:
+            repeats: int, bind: str = "none", warmup: int = WARMUP) -> dict[str, list[float]]:
     """Per (bytes, algorithm) in `plan`, this rank's time of each repeat; checks each result."""
     import torch
 
@@ -103,7 +109,7 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
         barrier, all_reduce = _backend_ops(backend, algorithm)
         buf = torch.empty(nbytes // DTYPE_BYTES, dtype=torch.float32)
         row = times.setdefault(f"{nbytes}/{algorithm}", [])
-        for i in range(WARMUP + repeats):
+        for i in range(warmup + repeats):
             buf.fill_(rank + 1)
             barrier()
             t0 = time.perf_counter()
@@ -113,7 +119,7 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
                 raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_reduce of "
                                      f"{nbytes} B gave {buf.min()}..{buf.max()}, "
                                      f"expected {expected}")
-            if i >= WARMUP:
+            if i >= warmup:
                 row.append(elapsed)
     return times
 
@@ -127,7 +133,7 @@ def _mpi_worker(spec: str) -> None:
     cfg = json.loads(spec)
     comm = MPI.COMM_WORLD
     times = measure(comm.Get_rank(), comm.Get_size(), "mpi",
-                    [tuple(p) for p in cfg["plan"]], cfg["repeats"], cfg["bind"])
+                    [tuple(p) for p in cfg["plan"]], cfg["repeats"], cfg["bind"], cfg["warmup"])
     slowest = {}
     for key, values in times.items():  # the slowest rank per repeat, as numbers (no pickles)
         buf = torch.tensor(values, dtype=torch.float64).numpy()
@@ -140,8 +146,8 @@ def _mpi_worker(spec: str) -> None:
 # --- the driver -----------------------------------------------------------------------------
 
 def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
-             env: dict | None = None) -> list[dict]:
-    spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind})
+             env: dict | None = None, warmup: int = WARMUP) -> list[dict]:
+    spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind, "warmup": warmup})
     out = mpi.launch(world, ["-m", "course_lib.bench.allreduce", "--mpi-worker", spec], timeout,
                      env)
     lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
@@ -151,12 +157,13 @@ def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
 
 
 def _run_set(backend: str, world: int, plan: list, repeats: int, timeout: float,
-             bind: str) -> list[dict]:
+             bind: str, warmup: int) -> list[dict]:
     """One fresh set of `world` processes for `backend`; per-rank {key: times}."""
     if backend == "mpi":
-        return _run_mpi(world, plan, repeats, timeout, bind)
+        return _run_mpi(world, plan, repeats, timeout, bind, warmup=warmup)
     from course_lib.spawn import spawn
-    return spawn(measure, world, backend, plan, repeats, bind, backend=backend, timeout=timeout)
+    return spawn(measure, world, backend, plan, repeats, bind, warmup, backend=backend,
+                 timeout=timeout)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -179,7 +186,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             plan = [(n, a) for n in sizes for a in algs]
             if rnd % 2:
                 plan.reverse()
-            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout, args.bind)
+            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout, args.bind,
+                                getattr(args, "warmup", WARMUP))
             for n, a in plan:
                 key = f"{n}/{a}"
                 collected.setdefault((backend, a, n), []).extend(
