@@ -38,7 +38,8 @@ def test_benchmark_rows_json_and_plot(tmp_path):
     backends = "scratch,gloo" + (",mpi" if mpi.unavailable() is None else "")
     assert bench_cli.main(["allreduce", "--world", "2", "--backends", backends,
                            "--sizes", "4KiB,64KiB", "--algorithms", "ring,tree",
-                           "--repeats", "2", "--rounds", "1", "--warmup", "3", "--timeout", "120",
+                           "--repeats", "2", "--rounds", "1", "--warmup", "3",
+                           "--timeout", "120",
                            "--json", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["rows"]
     got = {(r["backend"], r["algorithm"], r["bytes"]) for r in rows}
