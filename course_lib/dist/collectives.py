@@ -483,9 +483,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work |
         token, got = torch.empty(0), torch.empty(0)
         k = 1
         while k < p:
-            work = g.isend(token, (r + k) % p, tag, "barrier")
-            g.recv(got, (r - k) % p, tag, "barrier")
-            work.wait()
+            g.sendrecv(token, (r + k) % p, got, (r - k) % p, tag, "barrier")
             k <<= 1
 
     return _run(group, "barrier", async_op, body)
