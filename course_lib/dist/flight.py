@@ -28,6 +28,7 @@ TRACE_SIZE = 2000
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
        "all_reduce", "barrier")
 FINGERPRINT_DIMS = 8
+_DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in DTYPES}  # "float32", ...
 
 
 def detail_from_env() -> bool:
@@ -35,7 +36,7 @@ def detail_from_env() -> bool:
     return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One collective as this rank saw it."""
 
@@ -69,7 +70,8 @@ class Recorder:
 
     def start(self, seq: int, name: str, tensor: torch.Tensor | None) -> Entry:
         entry = Entry(seq, _op_name(name),
-                      None if tensor is None else str(tensor.dtype).removeprefix("torch."),
+                      None if tensor is None else (_DTYPE_NAMES.get(tensor.dtype)
+                                                   or str(tensor.dtype).removeprefix("torch.")),
                       None if tensor is None else list(tensor.shape), time.time())
         with self._lock:
             self.entries.append(entry)

@@ -141,7 +141,7 @@ class Receiver:
 
     def _mismatch(self, name: str, buffer: torch.Tensor, dtype: torch.dtype, shape: tuple,
                   tag: int) -> DistError | None:
-        if buffer.dtype == dtype and tuple(buffer.shape) == shape:
+        if buffer.dtype == dtype and buffer.shape == shape:
             return None
         peer = self.peer
         return peer.error(name, "recv from", _(
