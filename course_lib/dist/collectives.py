@@ -88,7 +88,7 @@ def reducer(op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous view of `t` (a copy only if `t` is not contiguous; see `_write_back`)."""
-    flat = t.detach()
+    flat = t.detach() if t.requires_grad else t  # in-place ops on a leaf that needs grad fail
     if not flat.is_contiguous():
         flat = flat.contiguous()
     return flat if flat.dim() == 1 else flat.view(-1)
@@ -415,10 +415,9 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     op = check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    group = resolve(group, "all_reduce")
     if algorithm == "auto":
-        g = resolve(group, "all_reduce")
-        algorithm = table_choice(g.all_reduce_table, tensor.numel() * tensor.element_size(),
-                                 g.size)
+        algorithm = table_choice(group.all_reduce_table, tensor.nbytes, group.size)
     impl = _ALL_REDUCE[algorithm]
 
     def body(g: ProcessGroup, tag: int) -> None:

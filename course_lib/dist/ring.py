@@ -145,7 +145,7 @@ class RingStream:
         """Receive a payload of `target`'s size and dtype, reduced into `target` (contiguous,
         1-D) with `combine(target, message)`: straight from the ring when the payload lies there
         in one piece, else through a temporary."""
-        n, tail = target.numel() * target.element_size(), self.tail[0]
+        n, tail = target.nbytes, self.tail[0]
         if n == 0:
             return
         pos = tail % self.size
