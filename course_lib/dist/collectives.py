@@ -95,7 +95,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_back(t: torch.Tensor, flat: torch.Tensor) -> None:
-    if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+    if flat is not t and (flat.data_ptr() != t.data_ptr() or not t.is_contiguous()):
         t.copy_(flat.view(t.shape))
 
 
@@ -418,13 +418,13 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     group = resolve(group, "all_reduce")
     if algorithm == "auto":
         algorithm = table_choice(group.all_reduce_table, tensor.nbytes, group.size)
-    impl = _ALL_REDUCE[algorithm]
+    impl, name = _ALL_REDUCE[algorithm], f"all_reduce({algorithm})"
 
     def body(g: ProcessGroup, tag: int) -> None:
         if g.size == 1 or tensor.numel() == 0:
             return
         flat = _flat(tensor)
-        impl(g, flat, op, tag, f"all_reduce({algorithm})")
+        impl(g, flat, op, tag, name)
         _average(flat, g.size, op)
         _write_back(tensor, flat)
 
