@@ -36,7 +36,7 @@ def detail_from_env() -> bool:
     return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
-@dataclass(slots=True)
+@dataclass
 class Entry:
     """One collective as this rank saw it."""
 
