@@ -88,3 +88,21 @@ def test_a_reducing_receive_times_out_saying_how_much_had_come(stream):
     with pytest.raises(WireTimeout) as caught:
         stream.recv_reduce(torch.zeros(50), torch.Tensor.add_, time.monotonic() + 0.05)
     assert caught.value.received == 100
+
+
+@pytest.mark.parametrize("yield_seconds, sleeps", [(5.0, False), (0.0, True)])
+def test_a_reader_polls_through_short_gaps_and_sleeps_through_long_ones(stream, monkeypatch,
+                                                                        yield_seconds, sleeps):
+    """Within YIELD_SECONDS a waiting reader polls (no system call to sleep, no wake-up to
+    wait for: a large message's doorbells come a slot copy apart); past it, it sleeps on the
+    socket. The writer comes 30 ms later either way."""
+    calls = []
+    real_select = ring.select.select
+    monkeypatch.setattr(ring, "YIELD_SECONDS", yield_seconds)
+    monkeypatch.setattr(ring.select, "select", lambda *a: calls.append(a) or real_select(*a))
+    writer = threading.Timer(0.03, lambda: stream.send([b"x"], time.monotonic() + 5))
+    writer.start()
+    got = bytearray(1)
+    stream.recv_exact(memoryview(got), time.monotonic() + 5)
+    writer.join()
+    assert got == b"x" and bool(calls) is sleeps, calls
