@@ -260,6 +260,32 @@ def test_a_doorbell_naming_a_slot_not_filled_is_a_protocol_error(region_pair, be
         shm.receive(incoming, pipe, torch.empty(8), 64, time.monotonic() + 5)
 
 
+@pytest.mark.parametrize("yield_seconds, sleeps", [(5.0, False), (0.0, True)])
+def test_a_sender_polls_for_a_free_slot_before_it_sleeps(region_pair, monkeypatch,
+                                                         yield_seconds, sleeps):
+    """A sender waiting for a slot polls between yields of its core (a slot frees a reduction
+    later, and a sleep would overshoot that); only past YIELD_SECONDS does it sleep. Here the
+    receiver frees slot 2 of four full ones 30 ms later either way."""
+    from course_lib.dist import ring
+
+    out, _ = region_pair
+    naps = []
+    monkeypatch.setattr(ring, "YIELD_SECONDS", yield_seconds)
+    monkeypatch.setattr(shm.time, "sleep", lambda s: naps.append(s) or time.perf_counter())
+    for i in range(shm.SLOTS):
+        out.set_busy(i, True)
+    freer = threading.Timer(0.03, lambda: out.set_busy(2, False))
+    a, b = socket.socketpair()
+    try:
+        freer.start()
+        assert shm._free_slot(out, a, time.monotonic() + 5) == 2
+    finally:
+        freer.join()
+        a.close()
+        b.close()
+    assert bool(naps) is sleeps, naps
+
+
 @pytest.fixture
 def region_sized_file_elsewhere():
     """A file of exactly a region's size outside /dev/shm: mappable, were its name accepted."""
