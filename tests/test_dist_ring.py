@@ -90,12 +90,15 @@ def test_a_reducing_receive_times_out_saying_how_much_had_come(stream):
     assert caught.value.received == 100
 
 
-@pytest.mark.parametrize("yield_seconds, sleeps", [(5.0, False), (0.0, True)])
-def test_a_reader_polls_through_short_gaps_and_sleeps_through_long_ones(stream, monkeypatch,
-                                                                        yield_seconds, sleeps):
-    """Within YIELD_SECONDS a waiting reader polls (no system call to sleep, no wake-up to
-    wait for: a large message's doorbells come a slot copy apart); past it, it sleeps on the
-    socket. The writer comes 30 ms later either way."""
+@pytest.mark.parametrize("soon, yield_seconds, sleeps",
+                         [(True, 5.0, False), (True, 0.0, True), (False, 5.0, True)])
+def test_a_reader_polls_through_gaps_inside_a_frame_and_sleeps_between_frames(
+        stream, monkeypatch, soon, yield_seconds, sleeps):
+    """Waiting for the rest of a frame already begun (`soon`), a reader polls for up to
+    YIELD_SECONDS (no system call to sleep, no wake-up to wait for: a large message's
+    doorbells come a slot copy apart), then sleeps; waiting for a new frame it sleeps after
+    its spin, leaving the core to a peer that may be busy for long. The writer comes 30 ms
+    later in every case."""
     calls = []
     real_select = ring.select.select
     monkeypatch.setattr(ring, "YIELD_SECONDS", yield_seconds)
@@ -103,6 +106,6 @@ def test_a_reader_polls_through_short_gaps_and_sleeps_through_long_ones(stream, 
     writer = threading.Timer(0.03, lambda: stream.send([b"x"], time.monotonic() + 5))
     writer.start()
     got = bytearray(1)
-    stream.recv_exact(memoryview(got), time.monotonic() + 5)
+    stream.recv_exact(memoryview(got), time.monotonic() + 5, soon=soon)
     writer.join()
     assert got == b"x" and bool(calls) is sleeps, calls

@@ -208,7 +208,7 @@ class BytePipe:
         for part in parts:
             self.data += bytes(part)
 
-    def recv_exact(self, view: memoryview, deadline: float) -> None:
+    def recv_exact(self, view: memoryview, deadline: float, soon: bool = False) -> None:
         view[:] = self.data[:len(view)]
         del self.data[:len(view)]
 

@@ -277,14 +277,14 @@ class Receiver:
             self.stream.recv_reduce(buffer if buffer.dim() == 1 else buffer.view(-1), combine,
                                     deadline)
         else:
-            self.stream.recv_exact(byte_view(buffer), deadline)
+            self.stream.recv_exact(byte_view(buffer), deadline, soon=True)
 
     def _drain(self, nbytes: int, deadline: float) -> None:
         """Read and drop a payload nobody can take, so the stream stays in step."""
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes:
             n = min(nbytes, len(scratch))
-            self.stream.recv_exact(scratch[:n], deadline)
+            self.stream.recv_exact(scratch[:n], deadline, soon=True)
             nbytes -= n
 
     def fail(self, reason: str) -> None:

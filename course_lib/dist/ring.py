@@ -5,10 +5,11 @@ any of our code runs; MPI, between processes of one host, writes into shared mem
 receiver, polling a flag, sees it at once. `RingStream` does the same for one direction of a
 link on one machine: the writer copies bytes into a ring in its shared-memory region and
 advances `head`; the reader copies them out and advances `tail`. A reader waiting for `head`
-spins for `SPIN_SECONDS`, then polls between yields of its core (and of the GIL, to our own
-sender thread) until `YIELD_SECONDS`, and only then sleeps: a large message's doorbells come
-a slot copy apart, longer than the spin, and a reader that slept through each gap paid a
-wake-up for every slot (16 MiB all_reduces took 8-9 ms instead of 3 in some process pairs).
+spins for `SPIN_SECONDS`; waiting for the rest of a frame already begun, it then polls between
+yields of its core (and of the GIL, to our own sender thread) until `YIELD_SECONDS`, and only
+then sleeps: a large message's doorbells come a slot copy apart, longer than the spin, and a
+reader that slept through each gap paid a wake-up for every slot (16 MiB all_reduces took
+8-9 ms instead of 3 in some process pairs).
 A sleeping reader is woken by one byte on the socket;
 as the flag that says it sleeps and `head` are written by different processes without an
 atomic instruction, a wake-up can be missed, so the reader also looks again every few
@@ -59,7 +60,7 @@ class SocketStream:
         """Bytes a send is sure to take without blocking: unknown for a socket, so none."""
         return 0
 
-    def recv_exact(self, view: memoryview, deadline: float) -> None:
+    def recv_exact(self, view: memoryview, deadline: float, soon: bool = False) -> None:
         recv_exact(self.sock, view, deadline)
 
     def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
@@ -131,7 +132,8 @@ class RingStream:
 
     # --- the reader end -------------------------------------------------------------------
 
-    def recv_exact(self, view: memoryview, deadline: float) -> None:
+    def recv_exact(self, view: memoryview, deadline: float, soon: bool = False) -> None:
+        """Fill `view`; `soon`: the bytes are part of a frame already begun (see `_wait`)."""
         n, got = len(view), 0
         if view.format != "B":
             view = view.cast("B")
@@ -139,7 +141,7 @@ class RingStream:
             tail = self.tail[0]
             avail = self.head[0] - tail
             if not avail:
-                self._wait(deadline, got, tail)
+                self._wait(deadline, got, tail, soon)
                 continue
             pos = tail % self.size
             k = min(n - got, avail, self.size - pos)
@@ -158,19 +160,21 @@ class RingStream:
         if pos + n > self.size:  # it wraps around the ring's end
             return reduce_through_copy(self, target, combine, deadline)
         while (head := self.head[0]) - tail < n:
-            self._wait(deadline, head - tail, head)
+            self._wait(deadline, head - tail, head, soon=True)
         combine(target, torch.frombuffer(self.data[pos:pos + n], dtype=target.dtype))
         self.tail[0] = tail + n
 
-    def _wait(self, deadline: float, got: int, head: int) -> None:
-        """Until the writer moves `head` on from the value seen: spin briefly, then poll
-        while yielding the core (and the GIL) to whatever else runs, then sleep on the socket,
-        looking again often."""
+    def _wait(self, deadline: float, got: int, head: int, soon: bool = False) -> None:
+        """Until the writer moves `head` on from the value seen: spin briefly; if the bytes
+        are `soon` to come (the rest of a frame whose writer is at work), poll while yielding
+        the core (and the GIL) to whatever else runs; then sleep on the socket, looking again
+        often. A reader waiting for a new frame sleeps after the spin: its peer may be busy
+        for long, and a polling reader would take the core from it where cores are few."""
         start = time.perf_counter()
         while time.perf_counter() - start < SPIN_SECONDS:
             if self.head[0] != head:
                 return
-        while time.perf_counter() - start < YIELD_SECONDS:
+        while soon and time.perf_counter() - start < YIELD_SECONDS:
             os.sched_yield()
             if self.head[0] != head:
                 return
@@ -213,5 +217,5 @@ def reduce_through_copy(stream, target: torch.Tensor, combine: Callable,
                         deadline: float) -> None:
     """Receive a payload into a temporary, then reduce it into `target`."""
     incoming = torch.empty_like(target)
-    stream.recv_exact(byte_view(incoming), deadline)
+    stream.recv_exact(byte_view(incoming), deadline, soon=True)
     combine(target, incoming)

@@ -207,7 +207,7 @@ def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
     size = 1 if target is None else target.element_size()
     bell = bytearray(1)
     for start in range(0, nbytes, SLOT_BYTES):
-        stream.recv_exact(memoryview(bell), deadline)
+        stream.recv_exact(memoryview(bell), deadline, soon=True)
         i = bell[0] - DOORBELL
         if not 0 <= i < SLOTS or not region.busy(i):
             raise ProtocolError("bad shared-memory doorbell")
