@@ -191,7 +191,6 @@ def test_handshake_needs_the_secret():
 def exchanges(rank: int, world: int, sizes: list[int]) -> dict:
     """`ProcessGroup.sendrecv` in place: with one partner, combined (a + b) and copied (a swap),
     and around a ring (from the left, to the right); references computed from the inputs."""
-    from course_lib import dist
     from course_lib.dist.group import resolve
 
     g = resolve(None, "test")

@@ -123,11 +123,7 @@ class RingStream:
         delay = 1e-6
         parts = self._put(parts)
         while parts:
-            if time.monotonic() >= deadline:
-                raise WireTimeout()
-            check_peer(self.sock)
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            delay = pause(self.sock, deadline, delay)
             parts = self._put(parts)
 
     # --- the reader end -------------------------------------------------------------------
@@ -202,6 +198,21 @@ class RingStream:
             raise PeerClosed("peer closed the connection")
         if data.strip(b"\x01"):
             raise ProtocolError("bytes other than wake-ups on a shared-memory link's socket")
+
+
+def pause(sock: socket.socket, deadline: float, delay: float,
+          poll_since: float | None = None) -> float:
+    """One pause of a writer waiting for room: a yield of the core while within
+    YIELD_SECONDS of `poll_since` (if given), else a sleep of `delay`, after checking the
+    deadline and the peer. Returns the next delay (doubling, at most 1 ms)."""
+    if poll_since is not None and time.perf_counter() - poll_since < YIELD_SECONDS:
+        os.sched_yield()
+        return delay
+    if time.monotonic() >= deadline:
+        raise WireTimeout()
+    check_peer(sock)
+    time.sleep(delay)
+    return min(2 * delay, 1e-3)
 
 
 def check_peer(sock: socket.socket) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from course_lib.dist import ring
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import FLAG_SHM, WireTimeout, recv_exact, send_parts, with_flags
+from course_lib.dist.wire import FLAG_SHM, recv_exact, send_parts, with_flags
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4
@@ -169,14 +169,7 @@ def _free_slot(region: Region, sock: socket.socket, deadline: float) -> int:
         for i in range(SLOTS):
             if not region.busy(i):
                 return i
-        if time.perf_counter() - start < ring.YIELD_SECONDS:
-            os.sched_yield()
-            continue
-        if time.monotonic() >= deadline:
-            raise WireTimeout()
-        ring.check_peer(sock)
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
+        delay = ring.pause(sock, deadline, delay, poll_since=start)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
