@@ -120,6 +120,14 @@ def check_all(rank: int, world: int, group=None, members=None) -> list[str]:
                 bad.append(f"rank {rank}: bfloat16 all_reduce {t.tolist()} vs {want.tolist()}")
         else:
             expect(f"all_reduce(ring, {dtype})", t, want)
+    # bool: SUM and MAX are "any", PRODUCT and MIN "all" (as torch.distributed's backends do)
+    flags = torch.stack([make(r, 70, torch.int64) > 2 for r in members])
+    for op, want in ((ReduceOp.SUM, flags.any(0)), (ReduceOp.MAX, flags.any(0)),
+                     (ReduceOp.PRODUCT, flags.all(0)), (ReduceOp.MIN, flags.all(0))):
+        for alg in ALGORITHMS:
+            t = flags[me].clone()
+            dist.all_reduce(t, op=op, group=group, algorithm=alg)
+            expect(f"all_reduce({alg}, {op.name}, bool)", t, want)
     full = [make(r, 35, torch.float32).view(5, 7) for r in members]
     t = full[me].clone().t()  # non-contiguous
     dist.all_reduce(t, group=group, algorithm="ring")

@@ -53,16 +53,10 @@ def check_op(op) -> ReduceOp:
     raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
 
 
-def _sum_into(acc: torch.Tensor, other: torch.Tensor) -> None:
-    acc.logical_or_(other) if acc.dtype == torch.bool else acc.add_(other)
-
-
-def _product_into(acc: torch.Tensor, other: torch.Tensor) -> None:
-    acc.logical_and_(other) if acc.dtype == torch.bool else acc.mul_(other)
-
-
-_REDUCERS = {ReduceOp.SUM: _sum_into, ReduceOp.AVG: _sum_into,  # AVG divides at the end
-             ReduceOp.PRODUCT: _product_into,
+# In place, by op. Tensor methods themselves where they fit: this runs for every message a
+# reduction receives. On bool, add_ is logical or and mul_ logical and (as in NCCL).
+_REDUCERS = {ReduceOp.SUM: torch.Tensor.add_, ReduceOp.AVG: torch.Tensor.add_,  # AVG divides last
+             ReduceOp.PRODUCT: torch.Tensor.mul_,
              ReduceOp.MAX: lambda acc, other: torch.maximum(acc, other, out=acc),
              ReduceOp.MIN: lambda acc, other: torch.minimum(acc, other, out=acc)}
 
@@ -336,12 +330,14 @@ def _all_reduce_tree(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int
     """Recursive doubling: lg p exchanges of the whole tensor; extra ranks fold in and out."""
     index = _fold_in(g, flat, op, tag, name)
     if index is not None:
-        for k in range(_power_of_two_below(g.size).bit_length() - 1):
-            partner = _group_rank(index ^ (1 << k), g.size)
+        combine, mask, pof2 = reducer(op), 1, _power_of_two_below(g.size)
+        while mask < pof2:
+            partner = _group_rank(index ^ mask, g.size)
             # Send flat and reduce the partner's message into it (a temporary holds the message
             # only if our bytes are not out yet). a (op) b == b (op) a bit for bit, so both
             # sides agree whichever way they reduce.
-            g.sendrecv(flat, partner, flat, partner, tag, name, combine=reducer(op))
+            g.sendrecv(flat, partner, flat, partner, tag, name, combine=combine)
+            mask <<= 1
     _fold_out(g, flat, tag, name)
 
 
