@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -28,6 +27,7 @@ TRACE_SIZE = 2000
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
        "all_reduce", "barrier")
 FINGERPRINT_DIMS = 8
+COMPLETED, FAILED = N_("completed"), N_("failed")  # an entry's states after "started"
 _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in DTYPES}  # "float32", ...
 
 
@@ -55,35 +55,31 @@ class Entry:
         return f"{self.op} #{self.seq} ({data}{group})"
 
 
-def _op_name(name: str) -> str:
-    """'all_reduce(ring)' -> 'all_reduce': the op a fingerprint compares."""
-    return name.split("(", 1)[0]
-
-
 class Recorder:
-    """The last TRACE_SIZE collectives of one group on this rank (thread-safe: async ops
-    finish on the group's worker thread)."""
+    """The last TRACE_SIZE collectives of one group on this rank. Async ops finish on the
+    group's worker thread, and a peer's query reads the record from the listener's: no lock
+    is needed, as appending to a deque and copying it are atomic and each entry has one
+    writer at a time (a reader may see an entry's end before its state)."""
 
     def __init__(self) -> None:
         self.entries: collections.deque[Entry] = collections.deque(maxlen=TRACE_SIZE)
-        self._lock = threading.Lock()
 
-    def start(self, seq: int, name: str, tensor: torch.Tensor | None) -> Entry:
-        entry = Entry(seq, _op_name(name),
-                      None if tensor is None else (_DTYPE_NAMES.get(tensor.dtype)
-                                                   or str(tensor.dtype).removeprefix("torch.")),
-                      None if tensor is None else list(tensor.shape), time.time())
-        with self._lock:
-            self.entries.append(entry)
+    def start(self, seq: int, op: str, tensor: torch.Tensor | None) -> Entry:
+        """Note collective `op` (one of OPS) as started; it runs on every call, so it is lean."""
+        if tensor is None:
+            entry = Entry(seq, op, None, None, time.time())
+        else:
+            dtype = tensor.dtype
+            entry = Entry(seq, op, _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
+                          list(tensor.shape), time.time())
+        self.entries.append(entry)
         return entry
 
     def finish(self, entry: Entry, failed: bool) -> None:
-        with self._lock:
-            entry.end, entry.state = time.time(), N_("failed") if failed else N_("completed")
+        entry.end, entry.state = time.time(), FAILED if failed else COMPLETED
 
     def snapshot(self) -> list[dict]:
-        with self._lock:
-            return [asdict(e) for e in self.entries]
+        return [asdict(e) for e in list(self.entries)]
 
 
 def fingerprint(entry: Entry) -> torch.Tensor:

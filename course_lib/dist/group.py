@@ -40,6 +40,8 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
 
+    __hash__ = object.__hash__  # members are singletons; Enum's hash by name is a Python call
+
 
 class ProcessGroup:
     """A set of global ranks that run collectives together; `rank` is this process's index."""
@@ -96,7 +98,7 @@ class ProcessGroup:
         if group_rank == self.rank:
             raise ValueError(_("rank {rank}: {name}: cannot send to or receive from itself",
                                rank=self.transport.rank, name=name))
-        return self.transport.peer(self.ranks[group_rank])
+        return self.transport.peers[self.ranks[group_rank]]
 
     # Point-to-point by group rank and wire tag: what collectives are written with. `name` is
     # the operation's name for error messages, e.g. "all_reduce(ring)".
@@ -146,6 +148,8 @@ class ProcessGroup:
 class Collective:
     """One collective call: `run(body)` runs `body(group, tag)`, recording how it ends; a
     DistError from it comes back explained by every rank's flight record."""
+
+    __slots__ = ("group", "name", "tag", "entry")
 
     def __init__(self, group: ProcessGroup, name: str, tag: int, entry: flight.Entry):
         self.group, self.name, self.tag, self.entry = group, name, tag, entry
@@ -347,7 +351,8 @@ def is_initialized() -> bool:
 def resolve(group: ProcessGroup | None, name: str) -> ProcessGroup:
     """The group to use: the world by default; checks this rank belongs to it."""
     group = resolve_any(group, name)
-    group.check_member(name)
+    if group.rank < 0:
+        group.check_member(name)  # raises
     return group
 
 
