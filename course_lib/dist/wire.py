@@ -26,6 +26,7 @@ MAGIC = 0x54534443  # "CDST"
 MAX_DIMS = 8
 HEADER = struct.Struct("<IqBBHQ8q")  # magic, tag, dtype, ndim, flags, nbytes, shape[8]
 FLAGS_AT = struct.calcsize("<IqBB")  # where the 16-bit flags field starts
+_FLAGS = struct.Struct("<H")
 FLAG_SHM = 1  # the payload follows through shared memory (dist/shm.py), not the socket
 ABORT_TAG = -(2 ** 63)  # a frame that says "this group is dead", its payload the reason (utf-8)
 
@@ -41,7 +42,7 @@ def with_flags(header: bytes, flags: int) -> bytes:
 
 def flags_of(header: bytes | memoryview) -> int:
     """The flags field of a header."""
-    return int.from_bytes(header[FLAGS_AT:FLAGS_AT + 2], "little")
+    return _FLAGS.unpack_from(header, FLAGS_AT)[0]
 
 
 class PeerClosed(ConnectionError):
@@ -64,13 +65,14 @@ __all__ = ["MAGIC", "MAX_DIMS", "HEADER", "FLAGS_AT", "FLAG_SHM", "ABORT_TAG", "
 # %% solutions/01_point_to_point.ipynb, cell 13
 def encode_header(tag: int, tensor: torch.Tensor) -> bytes:
     """The header announcing `tensor` under `tag`."""
-    if tensor.dtype not in DTYPE_CODE:
+    code = DTYPE_CODE.get(tensor.dtype)
+    if code is None:
         raise TypeError(f"dtype {tensor.dtype} cannot be sent; supported: {DTYPES}")
-    if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"tensors of at most {MAX_DIMS} dims can be sent, got {tensor.dim()}")
-    shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
-    return HEADER.pack(MAGIC, tag, DTYPE_CODE[tensor.dtype], tensor.dim(), 0,
-                       tensor.numel() * tensor.element_size(), *shape)
+    shape = tensor.shape
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"tensors of at most {MAX_DIMS} dims can be sent, got {len(shape)}")
+    return HEADER.pack(MAGIC, tag, code, len(shape), 0, tensor.numel() * tensor.element_size(),
+                       *shape, *[0] * (MAX_DIMS - len(shape)))
 
 
 # %% solutions/01_point_to_point.ipynb, cell 16
