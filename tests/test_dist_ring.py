@@ -64,6 +64,60 @@ def test_a_reducing_receive_equals_the_sum_in_place_and_across_the_end(stream, d
     assert wrapped and direct  # both paths were taken
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool])
+def test_a_frame_written_from_the_tensor_reads_back_at_every_offset(stream, dtype):
+    """put_frame (a small message's path: the payload copied from the tensor's own memory)
+    gives the reader the header's and the tensor's bytes, whether the frame lies in one
+    piece or wraps around the ring's end, and however its header falls."""
+    deadline = time.monotonic() + 5
+    gen = torch.Generator().manual_seed(1)
+    wraps = 0
+    for k in range(60):
+        header = bytes(range(k, k + 8 + k % 5))
+        tensor = torch.randint(0, 2, (k % 23 + 1,), generator=gen).to(dtype)
+        wraps += stream.head[0] % RING_BYTES + len(header) + tensor.nbytes > RING_BYTES
+        stream.put_frame(header, tensor)
+        got = bytearray(len(header) + tensor.nbytes)
+        stream.recv_exact(memoryview(got), deadline)
+        assert bytes(got) == header + bytes(byte_view(tensor))
+        assert stream.tail[0] == stream.head[0]
+    assert 0 < wraps < 60
+
+
+def test_a_parsed_header_is_read_in_place_and_given_back_only_after_parsing(stream):
+    """recv_parsed hands `parse` the next bytes where they lie in the ring (a copy only where
+    they wrap); the writer gets their room back only after `parse` returns, so it cannot
+    overwrite a header being decoded."""
+    deadline = time.monotonic() + 5
+    scratch = memoryview(bytearray(88))
+    in_place = copied = 0
+    for k in range(30):
+        frame = bytes((k + i) % 256 for i in range(88))
+        stream.send([frame, b"." * (k * 7 % 50)], deadline)
+        room_before = stream.room()
+
+        def parse(view):
+            nonlocal in_place, copied
+            if view.obj is scratch.obj:
+                copied += 1  # read out already: the copy is ours
+            else:
+                in_place += 1
+                assert stream.room() == room_before  # not released while parsing
+            return bytes(view)
+
+        assert stream.recv_parsed(scratch, parse, deadline) == frame
+        assert stream.room() == room_before + 88
+        stream.recv_exact(memoryview(bytearray(k * 7 % 50)), deadline)
+    assert in_place and copied
+
+
+def test_a_header_cut_short_times_out_saying_how_much_had_come(stream):
+    stream.send([b"h" * 40], time.monotonic() + 5)
+    with pytest.raises(WireTimeout) as caught:
+        stream.recv_parsed(memoryview(bytearray(88)), bytes, time.monotonic() + 0.05)
+    assert caught.value.received == 40
+
+
 def test_a_reducing_receive_waits_for_a_payload_written_in_pieces(stream):
     deadline = time.monotonic() + 5
     message = torch.arange(100, dtype=torch.float32)

@@ -200,13 +200,12 @@ class Receiver:
         """The next frame's (tag, dtype, shape, nbytes, via_shm, payload deadline); None if
         nothing came by `deadline`. An abort frame is read whole and raised as PeerClosed."""
         try:
-            self.stream.recv_exact(self._header, deadline)
+            tag, dtype, shape, nbytes, via_shm = self.stream.recv_parsed(
+                self._header, _parse_header, deadline)
         except WireTimeout as exc:
             if exc.received:
                 raise
             return None
-        tag, dtype, shape, nbytes = decode_header(self._header)
-        via_shm = bool(flags_of(self._header) & FLAG_SHM)
         if via_shm and self.region is None:
             raise ProtocolError("shared-memory frame on a link without shared memory")
         # The sender has started this frame: allow it time to finish (a full timeout if the
@@ -298,3 +297,9 @@ class Receiver:
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _parse_header(header: memoryview) -> tuple[int, torch.dtype, tuple, int, bool]:
+    """decode_header's (tag, dtype, shape, nbytes), and whether the payload comes through
+    shared memory."""
+    return (*decode_header(header), bool(flags_of(header) & FLAG_SHM))

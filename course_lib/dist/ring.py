@@ -21,6 +21,7 @@ wakes. Frames keep one order because every frame of that direction takes the rin
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import select
@@ -63,6 +64,11 @@ class SocketStream:
     def recv_exact(self, view: memoryview, deadline: float, soon: bool = False) -> None:
         recv_exact(self.sock, view, deadline)
 
+    def recv_parsed(self, scratch: memoryview, parse: Callable, deadline: float):
+        """`parse` of the next len(scratch) bytes, read into `scratch`."""
+        recv_exact(self.sock, scratch, deadline)
+        return parse(scratch)
+
     def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
         reduce_through_copy(self, target, combine, deadline)
 
@@ -74,6 +80,7 @@ class RingStream:
 
     def __init__(self, sock: socket.socket, ctrl: memoryview, data: memoryview):
         self.sock, self.data, self.size = sock, data, len(data)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(data))  # for put_frame
         self.head = ctrl[0:8].cast("Q")
         self.tail = ctrl[64:72].cast("Q")
         self.sleeping = ctrl[128:129]
@@ -99,10 +106,25 @@ class RingStream:
                 head, free, part = head + n, free - n, part[n:]
             if len(part):
                 left.append(part)
+        self._publish(head)
+        return left
+
+    def put_frame(self, header: bytes, tensor: torch.Tensor) -> None:
+        """Write a whole frame that `room()` said fits, the payload copied straight from the
+        (contiguous) tensor's memory: a small message's shortest path (no byte view)."""
+        head, size, n = self.head[0], self.size, len(header)
+        pos = head % size
+        if pos + n + tensor.nbytes > size:  # it wraps around the ring's end
+            self._put([header, byte_view(tensor)])
+            return
+        self.data[pos:pos + n] = header
+        ctypes.memmove(self.address + pos + n, tensor.data_ptr(), tensor.nbytes)
+        self._publish(head + n + tensor.nbytes)
+
+    def _publish(self, head: int) -> None:
         self.head[0] = head  # after the bytes: the reader never sees a head ahead of them
         if self.sleeping[0]:
             self._wake()
-        return left
 
     def _wake(self) -> None:
         try:
@@ -144,6 +166,20 @@ class RingStream:
             view[got:got + k] = self.data[pos:pos + k]
             self.tail[0] = tail + k
             got += k
+
+    def recv_parsed(self, scratch: memoryview, parse: Callable, deadline: float):
+        """`parse` of the next len(scratch) bytes (a header), read where they lie in the ring
+        and only then given back to the writer; copied into `scratch` if they wrap."""
+        n, tail = len(scratch), self.tail[0]
+        pos = tail % self.size
+        if pos + n > self.size:
+            self.recv_exact(scratch, deadline)
+            return parse(scratch)
+        while (head := self.head[0]) - tail < n:
+            self._wait(deadline, head - tail, head)
+        result = parse(self.data[pos:pos + n])
+        self.tail[0] = tail + n
+        return result
 
     def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
         """Receive a payload of `target`'s size and dtype, reduced into `target` (contiguous,

@@ -93,7 +93,7 @@ class Sender:
                 return False
             self.writing = True
         try:  # all of it goes in: only this end fills the ring
-            self.stream.try_send([encode_header(tag, tensor), byte_view(tensor)])
+            self.stream.put_frame(encode_header(tag, tensor), tensor)
         finally:
             with self.lock:
                 self._done_writing()
