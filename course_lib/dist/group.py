@@ -98,7 +98,7 @@ class ProcessGroup:
         if group_rank == self.rank:
             raise ValueError(_("rank {rank}: {name}: cannot send to or receive from itself",
                                rank=self.transport.rank, name=name))
-        return self.transport.peers[self.ranks[group_rank]]
+        return self.transport.peer(self.ranks[group_rank])
 
     # Point-to-point by group rank and wire tag: what collectives are written with. `name` is
     # the operation's name for error messages, e.g. "all_reduce(ring)".
