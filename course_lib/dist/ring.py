@@ -4,7 +4,8 @@ Over loopback TCP a 4 KiB message pays two system calls and a wake-up by the sch
 any of our code runs; MPI, between processes of one host, writes into shared memory and the
 receiver, polling a flag, sees it at once. `RingStream` does the same for one direction of a
 link on one machine: the writer copies bytes into a ring in its shared-memory region and
-advances `head`; the reader copies them out and advances `tail`. A reader waiting for `head`
+advances `head`; the reader copies them out, or uses them where they lie (a header it decodes,
+a payload it adds into a tensor), and only then advances `tail`. A reader waiting for `head`
 spins for `SPIN_SECONDS`; waiting for the rest of a frame already begun, it then polls between
 yields of its core (and of the GIL, to our own sender thread) until `YIELD_SECONDS`, and only
 then sleeps: a large message's doorbells come a slot copy apart, longer than the spin, and a
