@@ -171,31 +171,36 @@ class RingStream:
     def recv_parsed(self, scratch: memoryview, parse: Callable, deadline: float):
         """`parse` of the next len(scratch) bytes (a header), read where they lie in the ring
         and only then given back to the writer; copied into `scratch` if they wrap."""
-        n, tail = len(scratch), self.tail[0]
-        pos = tail % self.size
-        if pos + n > self.size:
+        view = self._in_place(len(scratch), deadline, soon=False)
+        if view is None:
             self.recv_exact(scratch, deadline)
             return parse(scratch)
-        while (head := self.head[0]) - tail < n:
-            self._wait(deadline, head - tail, head)
-        result = parse(self.data[pos:pos + n])
-        self.tail[0] = tail + n
+        result = parse(view)
+        self.tail[0] += len(view)
         return result
 
     def recv_reduce(self, target: torch.Tensor, combine: Callable, deadline: float) -> None:
         """Receive a payload of `target`'s size and dtype, reduced into `target` (contiguous,
         1-D) with `combine(target, message)`: straight from the ring when the payload lies there
         in one piece, else through a temporary."""
-        n, tail = target.nbytes, self.tail[0]
-        if n == 0:
+        if target.nbytes == 0:
             return
-        pos = tail % self.size
-        if pos + n > self.size:  # it wraps around the ring's end
+        view = self._in_place(target.nbytes, deadline, soon=True)
+        if view is None:
             return reduce_through_copy(self, target, combine, deadline)
+        combine(target, torch.frombuffer(view, dtype=target.dtype))
+        self.tail[0] += len(view)
+
+    def _in_place(self, n: int, deadline: float, soon: bool) -> memoryview | None:
+        """The next `n` bytes where they lie in the ring, once they have all come (None if
+        they wrap around its end); the caller advances `tail` past them when done with them."""
+        tail = self.tail[0]
+        pos = tail % self.size
+        if pos + n > self.size:
+            return None
         while (head := self.head[0]) - tail < n:
-            self._wait(deadline, head - tail, head, soon=True)
-        combine(target, torch.frombuffer(self.data[pos:pos + n], dtype=target.dtype))
-        self.tail[0] = tail + n
+            self._wait(deadline, head - tail, head, soon)
+        return self.data[pos:pos + n]
 
     def _wait(self, deadline: float, got: int, head: int, soon: bool = False) -> None:
         """Until the writer moves `head` on from the value seen: spin briefly; if the bytes
