@@ -112,9 +112,7 @@ class Receiver:
                 raise error
             return True
         finally:
-            with self.lock:
-                self.reading = False
-                self.cond.wake()
+            self._done_reading()
 
     def _loop(self) -> None:
         while True:
@@ -168,11 +166,15 @@ class Receiver:
             try:
                 self._read_one(req, deadline)
             finally:
-                with self.lock:
-                    self.reading = False
-                    self.cond.wake()
+                self._done_reading()
         if req.exception() is not None:
             raise req.exception()
+
+    def _done_reading(self) -> None:
+        """Let the next reader in, waking the receives that wait for one (if any)."""
+        with self.lock:
+            self.reading = False
+            self.cond.wake()
 
     def _expire(self, req: RecvRequest) -> None:
         self.matcher.withdraw(req)
