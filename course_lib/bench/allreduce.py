@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if rnd % 2:
                 plan.reverse()
             per_rank = _run_set(backend, args.world, plan, per_round, args.timeout, args.bind,
-                                getattr(args, "warmup", WARMUP))
+                                args.warmup)
             for n, a in plan:
                 key = f"{n}/{a}"
                 collected.setdefault((backend, a, n), []).extend(
