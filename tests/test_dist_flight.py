@@ -91,8 +91,12 @@ def test_the_error_names_the_rank_to_blame(world):
                 assert f"rank {culprit} called {bad}" in cause, cause
         if case != "sleep":  # the culprit's own error names what the others called
             first = results[culprit]["error"].splitlines()[0]
-            assert "rank 0 last completed #2 and " in first, first
-            assert (f"barrier #3 ({where})" if case == "skip" else good) in first, first
+            # The rank whose message it refused is in that call; whether every other rank has
+            # left #2 yet is scheduling (recursive doubling lets one rank run a call ahead of
+            # another: rank 0 was once still in #2 with 4 ranks on 2 busy cores).
+            theirs = re.escape(f"barrier #3 ({where})" if case == "skip" else good)
+            assert re.search(rf"rank \d+ last completed #2 and (is in|called) {theirs}",
+                             first), first
 
 
 def record_some(rank: int, world: int) -> dict:
