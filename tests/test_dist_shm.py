@@ -27,6 +27,17 @@ def leftover_regions() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("course_lib-dist-")}
 
 
+def none_left_since(before: set[str], within: float = 5.0) -> bool:
+    """Whether every region file made since `before` is gone. Tests running beside this one
+    make regions too, each unlinked a moment later: only a file that stays is a leak."""
+    end = time.monotonic() + within
+    while not leftover_regions() <= before:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def exchange(rank: int, world: int) -> dict:
     """Large and small messages both ways, and an all_reduce, checked against local results."""
     from course_lib import dist
@@ -61,7 +72,7 @@ def test_payloads_equal_with_and_without_shared_memory(enabled, monkeypatch):
     for r in results:
         assert r["shm"] == ((True, True) if enabled == "1" else (False, False)), r
         assert r["big_equal"] and r["small_equal"] and r["sum_equal"], r
-    assert leftover_regions() <= before  # unlinked once both ends had mapped them
+    assert none_left_since(before)  # unlinked once both ends had mapped them
 
 
 def send_to_absent_receiver(rank: int, world: int, mode: str, outdir: str) -> None:
@@ -170,7 +181,7 @@ def wakes_of_idle_threads(rank: int, world: int) -> dict:
 
     peer = group._world.transport.peer(1 - rank)
     big = torch.ones(3 * shm.SLOTS * shm.SLOT_BYTES // 4)
-    dist.all_reduce(big)  # large isends that wait for slots: the sender thread
+    dist.all_reduce(big, algorithm="ring")  # isends that wait for slots: the sender thread
     dist.irecv(torch.empty(3), 1 - rank, tag=5).wait() if rank == 0 else dist.send(
         torch.ones(3), 0, tag=5)  # an irecv: the receiver thread
     time.sleep(0.2)
@@ -197,6 +208,8 @@ class BytePipe:
     a frame's payload writes its header first: `headerless` drops it, as the receiver has read
     it before it calls `shm.receive`)."""
 
+    sending = None  # no send of this thread's own to write while it reads
+
     def __init__(self):
         self.data = bytearray()
         self.sock = None  # only a wait for a slot looks at it, and no test here waits
@@ -218,6 +231,70 @@ class BytePipe:
         shm.send(region, self, encode_header(0, tensor), tensor, time.monotonic() + 5)
         del self.data[start:start + HEADER.size]
         return list(self.data[start:])
+
+
+def _exchange_inputs(rank: int, salt: int) -> torch.Tensor:
+    """A message of more bytes than a region's slots hold (an odd count), as rank `rank`'s."""
+    n = 3 * shm.SLOTS * shm.SLOT_BYTES // 8 + 5
+    return torch.randn(n, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(10 * rank + salt))
+
+
+def exchanges_on_the_receiving_thread(rank: int, world: int) -> dict:
+    """Large `ProcessGroup.sendrecv`s both ways, reduced and copied, with every wait polling
+    (never handing its send off): the results, and whether the link's sender thread started."""
+    from course_lib.dist import group, ring
+
+    ring.YIELD_SECONDS = 60.0  # no receive here waits that long to hand its send off
+    g, other, make = group.resolve(None, "test"), 1 - rank, _exchange_inputs
+    into = make(rank, 1)
+    g.sendrecv(make(rank, 2), other, into, other, tag=1, name="t", combine=torch.Tensor.add_)
+    out = {"sum": torch.equal(into, make(rank, 1) + make(other, 2))}
+    g.sendrecv(make(rank, 3), other, into, other, tag=2, name="t")
+    out["copy"] = torch.equal(into, make(other, 3))
+    out["sender thread started"] = g.transport.peer(other).sender._thread is not None
+    return out
+
+
+def test_a_large_exchange_is_written_by_the_receiving_thread():
+    """A large sendrecv on one host needs no sender thread: the thread that receives fills
+    the slots the peer has emptied each time it waits, and the result is exact."""
+    for result in spawn(exchanges_on_the_receiving_thread, 2, backend="scratch", timeout=30):
+        assert result == {"sum": True, "copy": True, "sender thread started": False}, result
+
+
+def exchanges_that_cannot_take_turns(rank: int, world: int) -> dict:
+    """Rank 0's large sendrecv against a rank that receives all of it before it sends, then
+    behind a large send still queued for the sender thread; checked against the inputs."""
+    from course_lib.dist import group
+
+    g, make = group.resolve(None, "test"), _exchange_inputs
+    into, first = torch.empty_like(make(0, 0)), torch.empty_like(make(0, 0))
+    if rank == 0:
+        g.sendrecv(make(0, 4), 1, into, 1, tag=3, name="t")
+        out = {"peer receives first": torch.equal(into, make(1, 4))}
+        work = g.isend(make(0, 5), 1, tag=4, name="t")
+        g.sendrecv(make(0, 6), 1, into, 1, tag=5, name="t")
+        work.wait()
+        out["behind a queued send"] = torch.equal(into, make(1, 6))
+        return out
+    time.sleep(0.3)  # rank 0 has filled its slots and its receive has gone to sleep
+    g.recv(into, 0, tag=3, name="t")
+    g.send(make(1, 4), 0, tag=3, name="t")
+    out = {"peer receives first": torch.equal(into, make(0, 4))}
+    time.sleep(0.3)  # rank 0's sender thread has filled the slots and waits, mid-frame
+    g.recv(first, 0, tag=4, name="t")
+    g.sendrecv(make(1, 6), 0, into, 0, tag=5, name="t")
+    out["behind a queued send"] = torch.equal(first, make(0, 5)) and torch.equal(into, make(0, 6))
+    return out
+
+
+def test_a_large_exchange_completes_when_the_peer_cannot_take_turns():
+    """MPI_Sendrecv's promise: it completes against a plain receive then send. The exchange
+    hands its send to the sender thread before its receive sleeps (else rank 1 would wait for
+    bytes rank 0 only writes once it has received); a send already queued goes out first."""
+    for result in spawn(exchanges_that_cannot_take_turns, 2, backend="scratch", timeout=30):
+        assert result == {"peer receives first": True, "behind a queued send": True}, result
 
 
 @pytest.fixture
@@ -336,4 +413,4 @@ def test_full_dev_shm_falls_back_to_tcp_and_leaves_no_file(monkeypatch):
     before = leftover_regions()
     (outgoing, incoming), ours, _ = negotiate_with_fake_peer(b"")
     assert outgoing is None and incoming is None and ours == b""  # nothing offered
-    assert leftover_regions() <= before
+    assert none_left_since(before)

@@ -22,7 +22,7 @@ from course_lib.dist import shm
 from course_lib.dist.errors import DistError, DistTimeoutError, describe
 from course_lib.dist.matching import RecvRequest
 from course_lib.dist.receiver import Receiver
-from course_lib.dist.sender import Sender
+from course_lib.dist.sender import Exchange, Sender
 from course_lib.dist.work import Work
 
 
@@ -39,6 +39,8 @@ class Peer:
         sock.settimeout(None)  # blocking; deadlines are armed per call with SO_RCVTIMEO/SNDTIMEO
         shm_out, shm_in = regions  # shared memory to and from this peer, if on this machine
         self.receiver = Receiver(self, sock, shm_in)
+        # A large exchange is written by the receiving thread while it waits on the ring.
+        self._exchanges = shm_in is not None and shm_in.ring
         self.sender = Sender(self, sock.dup(), shm_out)  # reader and writer each own a timeout
 
     def kind(self) -> str:
@@ -67,6 +69,10 @@ class Peer:
         if out.is_contiguous() and self.sender.send_now(out, tag, name):
             self.receiver.recv(into, tag, name, deadline, combine)
             return
+        if self._exchanges and not overlaps(out, into):
+            exchange = self.sender.start_exchange(out, tag, name, deadline)
+            if exchange is not None:
+                return self._exchange(exchange, into, tag, name, deadline, combine)
         work = self.sender.isend(out, tag, name, deadline)
         if work.is_completed():
             work.wait()  # raises if the send failed
@@ -79,6 +85,19 @@ class Peer:
             self.receiver.recv(incoming, tag, name, deadline)
             work.wait()
             combine(into, incoming) if combine is not None else into.copy_(incoming)
+
+    def _exchange(self, exchange: Exchange, into: torch.Tensor, tag: int, name: str,
+                  deadline: float, combine: Callable | None) -> None:
+        """Receive on this thread while it writes `exchange`'s send (see `Exchange`)."""
+        try:
+            done = self.receiver.recv_direct(into, tag, name, deadline, combine, exchange)
+        except BaseException:
+            exchange.hand_off()
+            raise
+        if not done:  # someone else reads this link, or another frame came first
+            exchange.hand_off()
+            self.receiver.recv(into, tag, name, deadline, combine)
+        exchange.finish()
 
     def send_abort(self, reason: str) -> None:
         self.sender.send_abort(reason)

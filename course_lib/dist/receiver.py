@@ -5,7 +5,7 @@ path), one reader at a time; the link's receiver thread only drives `irecv`s nob
 yet. A frame's payload goes straight into the posted receive's memory, from the socket or from
 the shared-memory region; a frame nobody asked for is kept by the `TagMatcher`. The common
 case, a blocking receive on a link nobody else reads, whose frame is the next to come, skips
-the request and the matcher altogether (`_recv_direct`).
+the request and the matcher altogether (`recv_direct`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from course_lib.i18n import _
 
 if TYPE_CHECKING:
     from course_lib.dist.peer import Peer
+    from course_lib.dist.sender import Exchange
 
 log = logging.getLogger("course_lib.dist")
 
@@ -77,14 +78,15 @@ class Receiver:
     def recv(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
              combine: Callable | None = None) -> None:
         """Blocking receive on the caller's thread (combined into `tensor` with `combine`)."""
-        if not self._recv_direct(tensor, tag, name, deadline, combine):
+        if not self.recv_direct(tensor, tag, name, deadline, combine):
             self.progress(self.post(tensor, tag, name, deadline, combine), deadline)
 
-    def _recv_direct(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
-                     combine: Callable | None) -> bool:
+    def recv_direct(self, tensor: torch.Tensor, tag: int, name: str, deadline: float,
+                    combine: Callable | None, sending: Exchange | None = None) -> bool:
         """The common case without posting a request: nobody else reads this link and nothing
         has come for `tag`, so read the next frame here; True if it was ours and is done (else
-        it went where it belongs, and the caller posts as usual)."""
+        it went where it belongs, and the caller posts as usual). `sending`: a send this
+        thread writes whenever the read waits (see `Exchange`)."""
         if not tensor.is_contiguous():
             return False
         started = time.monotonic()
@@ -92,6 +94,7 @@ class Receiver:
             if self.reading or self.peer.dead is not None or self.matcher.holds(tag):
                 return False
             self.reading = True
+        self.stream.sending = sending
         try:
             try:
                 frame = self._read_header(deadline)
@@ -112,6 +115,7 @@ class Receiver:
                 raise error
             return True
         finally:
+            self.stream.sending = None
             self._done_reading()
 
     def _loop(self) -> None:

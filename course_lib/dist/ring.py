@@ -49,6 +49,8 @@ def supported() -> bool:
 class SocketStream:
     """A link direction's frames on its socket."""
 
+    sending = None  # an exchange's send is only ever driven from a ring's waits
+
     def __init__(self, sock: socket.socket):
         self.sock = sock
 
@@ -85,6 +87,8 @@ class RingStream:
         self.head = ctrl[0:8].cast("Q")
         self.tail = ctrl[64:72].cast("Q")
         self.sleeping = ctrl[128:129]
+        # The reader's own send in an exchange (`sender.Exchange`), written while it waits.
+        self.sending = None
 
     # --- the writer end -------------------------------------------------------------------
 
@@ -207,15 +211,24 @@ class RingStream:
         are `soon` to come (the rest of a frame whose writer is at work), poll while yielding
         the core (and the GIL) to whatever else runs; then sleep on the socket, looking again
         often. A reader waiting for a new frame sleeps after the spin: its peer may be busy
-        for long, and a polling reader would take the core from it where cores are few."""
-        start = time.perf_counter()
+        for long, and a polling reader would take the core from it where cores are few.
+        A reader with a send of its own in hand (`sending`) writes it while it polls, and hands
+        it to the link's sender thread before it sleeps: the peer may be waiting for it."""
+        start, sending = time.perf_counter(), self.sending
         while time.perf_counter() - start < SPIN_SECONDS:
             if self.head[0] != head:
                 return
-        while soon and time.perf_counter() - start < YIELD_SECONDS:
+            if sending is not None:
+                sending.pump()
+        while (soon or sending is not None) and time.perf_counter() - start < YIELD_SECONDS:
             os.sched_yield()
             if self.head[0] != head:
                 return
+            if sending is not None:
+                sending.pump()
+        if sending is not None:
+            sending.hand_off()
+            self.sending = None
         nap = NAP_SECONDS[0]
         self.sleeping[0] = 1
         try:

@@ -4,9 +4,10 @@ A small message is written at once on the caller's thread, as far as the socket 
 it (no thread hop on the latency path), and so is a large one whose shared-memory slots are
 free now; the rest, and large messages that would have to wait, queue for the link's sender
 thread, so sending overlaps the caller's receives. A payload going to a rank on
-this machine through shared memory is said so explicitly (`via_shm`), never guessed.
-`send_now` is the shortest path, for an exchange (`Peer.sendrecv`): a small frame that the
-link's ring takes whole right now, written with no request object.
+this machine through shared memory says so explicitly (its `SlotWriter`), never guessed.
+For an exchange (`Peer.sendrecv`) there are two shorter paths: `send_now`, a small frame that
+the link's ring takes whole right now, written with no request object; and an `Exchange`, a
+large payload that the receiving thread writes into the slots whenever its receive waits.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Outgoing:
     work: Work
     parts: list          # header and payload bytes still to write (both, until it starts)
     tensor: torch.Tensor  # kept referenced until its bytes are out
-    via_shm: bool
+    slots: shm.SlotWriter | None  # how the payload goes through shared memory, if it does
 
 
 class Sender:
@@ -61,26 +62,61 @@ class Sender:
         """Send `tensor` after earlier sends to this peer; `blocking` writes it all here."""
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        payload = byte_view(tensor)
-        header = encode_header(tag, tensor)
-        via_shm = self.region is not None and len(payload) > shm.MIN_BYTES
-        work = Work(deadline, What(self.peer.rank, name, "send to", self.peer.peer_rank))
-        item = Outgoing(work, [header, payload], tensor, via_shm)
+        item = self._outgoing(tensor, tag, name, deadline)
+        header, payload = item.parts
         with self.lock:
             self.peer.check_alive(name, "send to")
             if self.queue or self.writing or not (
-                    blocking or len(payload) <= INLINE_MAX or via_shm and shm.fits_now(
-                        self.region, self.stream, len(header), len(payload))):
+                    blocking or len(payload) <= INLINE_MAX or item.slots is not None
+                    and shm.fits_now(self.region, self.stream, len(header), len(payload))):
                 return self._enqueue(item)
             self.writing = True
         try:
             self._write(item, wait=blocking)
         finally:
-            with self.lock:
-                if item.parts:  # the socket buffer was full: the thread sends the rest first
-                    self._enqueue(item, first=True)
-                self._done_writing()
-        return work
+            self._release(item)
+        return item.work
+
+    def start_exchange(self, tensor: torch.Tensor, tag: int, name: str,
+                       deadline: float) -> Exchange | None:
+        """Claim the link for a contiguous `tensor` that goes through the shared-memory slots
+        and write what they take now; the caller writes the rest while it receives (see
+        `Exchange`). None, with nothing written, if the link is busy, the payload is not for
+        the slots, or the ring has no room now for its header and doorbells (so that writing
+        them never waits)."""
+        if not (tensor.is_contiguous() and self._via_slots(tensor)):
+            return None
+        doorbells = -(-tensor.nbytes // shm.SLOT_BYTES)
+        with self.lock:
+            self.peer.check_alive(name, "send to")
+            if self.queue or self.writing or self.stream.room() < HEADER.size + doorbells:
+                return None
+            self.writing = True
+        exchange = Exchange(self, self._outgoing(tensor, tag, name, deadline))
+        try:
+            exchange.pump()
+        except BaseException:
+            exchange.hand_off()
+            raise
+        return exchange
+
+    def _outgoing(self, tensor: torch.Tensor, tag: int, name: str, deadline: float) -> Outgoing:
+        header = encode_header(tag, tensor)
+        slots = (shm.SlotWriter(self.region, self.stream, header, tensor)
+                 if self._via_slots(tensor) else None)
+        work = Work(deadline, What(self.peer.rank, name, "send to", self.peer.peer_rank))
+        return Outgoing(work, [header, byte_view(tensor)], tensor, slots)
+
+    def _via_slots(self, tensor: torch.Tensor) -> bool:
+        return self.region is not None and tensor.nbytes > shm.MIN_BYTES
+
+    def _release(self, item: Outgoing) -> None:
+        """End the caller's turn as the writer; what is left of `item` (the socket buffer was
+        full, or the slots were) goes to the sender thread, ahead of what is queued."""
+        with self.lock:
+            if item.parts:
+                self._enqueue(item, first=True)
+            self._done_writing()
 
     def send_now(self, tensor: torch.Tensor, tag: int, name: str) -> bool:
         """Write a small contiguous `tensor`'s frame whole on the caller's thread, with no
@@ -119,9 +155,9 @@ class Sender:
         """Write `item` (with wait=False only what fits now, leaving the rest in item.parts)."""
         work, name = item.work, item.work.what.name
         try:
-            if item.via_shm:
-                shm.send(self.region, self.stream, item.parts[0], item.tensor, work.deadline)
-                item.parts = []
+            if item.slots is not None:
+                if item.slots.write(work.deadline, wait):
+                    item.parts = []
             elif wait:
                 self.stream.send(item.parts, work.deadline)
                 item.parts = []
@@ -188,3 +224,37 @@ class Sender:
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+class Exchange:
+    """A large send written by the thread that receives meanwhile (`Peer.sendrecv`): each time
+    its receive waits, it fills whichever slots the peer has emptied. With one core per rank,
+    a sender thread would compete with that receive for the core; here the two sides' copies
+    take turns on it (MPI's progress engine works the same way)."""
+
+    def __init__(self, sender: Sender, item: Outgoing):
+        self.sender, self.item = sender, item
+        self.work = item.work
+        self.mine = True  # this thread holds the link's writer role
+
+    def pump(self) -> None:
+        """Write what the free slots take now, without waiting."""
+        if self.mine and self.item.parts:
+            self.sender._write(self.item, wait=False)
+
+    def hand_off(self) -> None:
+        """Give the link back; the sender thread writes what is left (before the receive
+        sleeps: the peer may be waiting for this data before it sends its own)."""
+        if self.mine:
+            self.mine = False
+            self.sender._release(self.item)
+
+    def finish(self) -> None:
+        """After the receive: write the rest here, waiting for slots, then wait for the send."""
+        if self.mine:
+            try:
+                if self.item.parts:
+                    self.sender._write(self.item, wait=True)
+            finally:
+                self.hand_off()
+        self.work.wait()

@@ -165,11 +165,16 @@ def _free_slot(region: Region, sock: socket.socket, deadline: float) -> int:
     the ring's reader, it polls between yields of the core before it sleeps: a slot frees a
     slot's reduction later, and a sleep overshoots that by the timer's slack."""
     start, delay = time.perf_counter(), 1e-5
-    while True:
-        for i in range(SLOTS):
-            if not region.busy(i):
-                return i
+    while (i := _lowest_free(region)) is None:
         delay = ring.pause(sock, deadline, delay, poll_since=start)
+    return i
+
+
+def _lowest_free(region: Region) -> int | None:
+    for i in range(SLOTS):
+        if not region.busy(i):
+            return i
+    return None
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -177,29 +182,54 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+class SlotWriter:
+    """A frame whose payload (the contiguous `tensor`) goes slot by slot through `region`; the
+    header and a doorbell per slot go on `stream` (the link's socket or ring). `write` can stop
+    when no slot is free and go on later, so one thread can take turns between sending a large
+    message and receiving one (`sender.Exchange`)."""
+
+    def __init__(self, region: Region, stream, header: bytes, tensor: torch.Tensor):
+        self.region, self.stream = region, stream
+        self.header = with_flags(header, FLAG_SHM)
+        self.payload = _bytes_of(tensor)
+        self.sent = -1  # payload bytes out; -1 until the header is
+
+    def write(self, deadline: float, wait: bool = True) -> bool:
+        """Send the rest, or with wait=False only what free slots take now; True when done."""
+        if self.sent < 0:
+            self.stream.send([self.header], deadline)
+            self.sent = 0
+        region, n = self.region, self.payload.numel()
+        while self.sent < n:
+            i = _free_slot(region, self.stream.sock, deadline) if wait else _lowest_free(region)
+            if i is None:
+                return False
+            piece = self.payload[self.sent:self.sent + SLOT_BYTES]
+            region.slot(i, piece.numel()).copy_(piece)
+            region.set_busy(i, True)
+            self.stream.send([bytes((DOORBELL + i,))], deadline)
+            self.sent += piece.numel()
+        return True
+
+
 def send(region: Region, stream, header: bytes, tensor: torch.Tensor, deadline: float) -> None:
-    """Send a frame whose payload (the contiguous `tensor`) goes slot by slot through `region`;
-    the header and a doorbell per slot go on `stream` (the link's socket or ring)."""
-    payload = _bytes_of(tensor)
-    stream.send([with_flags(header, FLAG_SHM)], deadline)
-    for start in range(0, payload.numel(), SLOT_BYTES):
-        piece = payload[start:start + SLOT_BYTES]
-        i = _free_slot(region, stream.sock, deadline)
-        region.slot(i, piece.numel()).copy_(piece)
-        region.set_busy(i, True)
-        stream.send([bytes((DOORBELL + i,))], deadline)
+    """Send a frame whose payload goes through `region` (see `SlotWriter`), waiting for slots."""
+    SlotWriter(region, stream, header, tensor).write(deadline)
 
 
 def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
             deadline: float, combine=None) -> None:
     """Receive a marked frame's payload into `target` (contiguous), or drop it if None; with
     `combine(target_piece, slot_piece)`, each slot is reduced into the target where it lies
-    (slots hold whole elements: SLOT_BYTES is a multiple of every element size)."""
+    (slots hold whole elements: SLOT_BYTES is a multiple of every element size). A send that
+    this thread drives meanwhile (the stream's `sending`) fills free slots before each one."""
     flat = None if target is None else target.reshape(-1)
     raw = None if target is None else _bytes_of(target)
     size = 1 if target is None else target.element_size()
     bell = bytearray(1)
     for start in range(0, nbytes, SLOT_BYTES):
+        if stream.sending is not None:
+            stream.sending.pump()
         stream.recv_exact(memoryview(bell), deadline, soon=True)
         i = bell[0] - DOORBELL
         if not 0 <= i < SLOTS or not region.busy(i):
