@@ -220,7 +220,8 @@ class RingStream:
                 return
             if sending is not None:
                 sending.pump()
-        while (soon or sending is not None) and time.perf_counter() - start < YIELD_SECONDS:
+        while ((soon or sending is not None and sending.pending)
+               and time.perf_counter() - start < YIELD_SECONDS):
             os.sched_yield()
             if self.head[0] != head:
                 return

@@ -235,23 +235,28 @@ class Exchange:
     def __init__(self, sender: Sender, item: Outgoing):
         self.sender, self.item = sender, item
         self.work = item.work
-        self.mine = True  # this thread holds the link's writer role
+        self.pending = True  # this thread holds the link's writer role, with bytes to write
 
     def pump(self) -> None:
-        """Write what the free slots take now, without waiting."""
-        if self.mine and self.item.parts:
-            self.sender._write(self.item, wait=False)
+        """Write what the free slots take now, without waiting; once all is out, give the
+        link back at once (another send may be waiting for it)."""
+        if self.pending:
+            if self.item.parts:
+                self.sender._write(self.item, wait=False)
+            if not self.item.parts:
+                self.hand_off()
 
     def hand_off(self) -> None:
-        """Give the link back; the sender thread writes what is left (before the receive
-        sleeps: the peer may be waiting for this data before it sends its own)."""
-        if self.mine:
-            self.mine = False
+        """Give the link back; the sender thread writes what is left, if anything (the
+        receive is about to sleep, and the peer may be waiting for this data before it sends
+        its own)."""
+        if self.pending:
+            self.pending = False
             self.sender._release(self.item)
 
     def finish(self) -> None:
         """After the receive: write the rest here, waiting for slots, then wait for the send."""
-        if self.mine:
+        if self.pending:
             try:
                 if self.item.parts:
                     self.sender._write(self.item, wait=True)
