@@ -243,6 +243,7 @@ def _exchange_inputs(rank: int, salt: int) -> torch.Tensor:
 def exchanges_on_the_receiving_thread(rank: int, world: int) -> dict:
     """Large `ProcessGroup.sendrecv`s both ways, reduced and copied, with every wait polling
     (never handing its send off): the results, and whether the link's sender thread started."""
+    from course_lib import dist
     from course_lib.dist import group, ring
 
     ring.YIELD_SECONDS = 60.0  # no receive here waits that long to hand its send off
@@ -253,6 +254,15 @@ def exchanges_on_the_receiving_thread(rank: int, world: int) -> dict:
     g.sendrecv(make(rank, 3), other, into, other, tag=2, name="t")
     out["copy"] = torch.equal(into, make(other, 3))
     out["sender thread started"] = g.transport.peer(other).sender._thread is not None
+    dist.barrier()  # every slot of ours has been read: a two-slot send goes out at once
+    sender = g.transport.peer(other).sender
+    small = torch.full((shm.SLOT_BYTES // 4,), float(rank + 1), dtype=torch.float64)
+    exchange = sender.start_exchange(small, 6, "t", g.deadline())
+    out["link free once all is out"] = not exchange.pending and not sender.writing
+    got = torch.empty_like(small)
+    g.recv(got, other, tag=6, name="t")
+    exchange.finish()
+    out["copy"] &= bool((got == other + 1).all())
     return out
 
 
@@ -260,7 +270,8 @@ def test_a_large_exchange_is_written_by_the_receiving_thread():
     """A large sendrecv on one host needs no sender thread: the thread that receives fills
     the slots the peer has emptied each time it waits, and the result is exact."""
     for result in spawn(exchanges_on_the_receiving_thread, 2, backend="scratch", timeout=30):
-        assert result == {"sum": True, "copy": True, "sender thread started": False}, result
+        assert result == {"sum": True, "copy": True, "sender thread started": False,
+                          "link free once all is out": True}, result
 
 
 def exchanges_that_cannot_take_turns(rank: int, world: int) -> dict:
