@@ -274,6 +274,30 @@ def test_a_large_exchange_is_written_by_the_receiving_thread():
                           "link free once all is out": True}, result
 
 
+def large_all_reduces(rank: int, world: int) -> dict:
+    """all_reduce of more bytes than a region's slots hold, by every algorithm, against the
+    sum computed here from every rank's input (integers in float64: exact in any order)."""
+    from course_lib import dist
+
+    def make(r: int) -> torch.Tensor:
+        return _exchange_inputs(r, 7).mul_(1000).round_()
+
+    want = sum(make(r) for r in range(world))
+    out = {}
+    for algorithm in ("rabenseifner", "tree", "ring", "auto"):
+        t = make(rank)
+        dist.all_reduce(t, algorithm=algorithm)
+        out[algorithm] = torch.equal(t, want)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_large_all_reduces_equal_the_sum_on_2_to_4_ranks(world):
+    """Large exchanges inside every algorithm, powers of two or not (3 ranks fold one in)."""
+    for result in spawn(large_all_reduces, world, backend="scratch", timeout=120):
+        assert all(result.values()), result
+
+
 def exchanges_that_cannot_take_turns(rank: int, world: int) -> dict:
     """Rank 0's large sendrecv against a rank that receives all of it before it sends, then
     behind a large send still queued for the sender thread; checked against the inputs."""
