@@ -204,9 +204,9 @@ def test_small_messages_do_not_wake_the_links_idle_threads():
 
 
 class BytePipe:
-    """A frame stream in one process: what `send` writes, `recv_exact` reads back (`send` of
-    a frame's payload writes its header first: `headerless` drops it, as the receiver has read
-    it before it calls `shm.receive`)."""
+    """A frame stream in one process: what `send` writes, `recv_exact` reads back (a
+    `SlotWriter` writes its frame's header first: `send_payload` drops it, as the receiver has
+    read it before it calls `shm.receive`)."""
 
     sending = None  # no send of this thread's own to write while it reads
 
@@ -226,9 +226,9 @@ class BytePipe:
         del self.data[:len(view)]
 
     def send_payload(self, region: shm.Region, tensor: torch.Tensor) -> list[int]:
-        """`shm.send` a frame; the doorbells it rang (its header dropped)."""
+        """Write a frame through `region`'s slots; the doorbells it rang (its header dropped)."""
         start = len(self.data)
-        shm.send(region, self, encode_header(0, tensor), tensor, time.monotonic() + 5)
+        shm.SlotWriter(region, self, encode_header(0, tensor), tensor).write(time.monotonic() + 5)
         del self.data[start:start + HEADER.size]
         return list(self.data[start:])
 

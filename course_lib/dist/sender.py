@@ -86,10 +86,10 @@ class Sender:
         them never waits)."""
         if not (tensor.is_contiguous() and self._via_slots(tensor)):
             return None
-        doorbells = -(-tensor.nbytes // shm.SLOT_BYTES)
         with self.lock:
             self.peer.check_alive(name, "send to")
-            if self.queue or self.writing or self.stream.room() < HEADER.size + doorbells:
+            if self.queue or self.writing or not shm.stream_takes(self.stream, HEADER.size,
+                                                                  tensor.nbytes):
                 return None
             self.writing = True
         exchange = Exchange(self, self._outgoing(tensor, tag, name, deadline))
@@ -234,7 +234,6 @@ class Exchange:
 
     def __init__(self, sender: Sender, item: Outgoing):
         self.sender, self.item = sender, item
-        self.work = item.work
         self.pending = True  # this thread holds the link's writer role, with bytes to write
 
     def pump(self) -> None:
@@ -262,4 +261,4 @@ class Exchange:
                     self.sender._write(self.item, wait=True)
             finally:
                 self.hand_off()
-        self.work.wait()
+        self.item.work.wait()

@@ -149,13 +149,22 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
 
 
 def fits_now(region: Region, stream, header_bytes: int, nbytes: int) -> bool:
-    """Whether `send` of an `nbytes` payload would go through without waiting: the slots it
+    """Whether an `nbytes` payload would go through the slots without waiting: the slots it
     needs are free and the stream takes its header and doorbells. Then the caller's thread can
     send it itself instead of handing it to the sender thread (a wake-up and GIL hand-off)."""
-    slots = -(-nbytes // SLOT_BYTES)
-    if slots > SLOTS or stream.room() < header_bytes + slots:
+    slots = _slots_for(nbytes)
+    if slots > SLOTS or not stream_takes(stream, header_bytes, nbytes):
         return False
     return sum(not region.busy(i) for i in range(SLOTS)) >= slots
+
+
+def stream_takes(stream, header_bytes: int, nbytes: int) -> bool:
+    """Whether `stream` takes the header and every doorbell of an `nbytes` payload now."""
+    return stream.room() >= header_bytes + _slots_for(nbytes)
+
+
+def _slots_for(nbytes: int) -> int:
+    return -(-nbytes // SLOT_BYTES)
 
 
 def _free_slot(region: Region, sock: socket.socket, deadline: float) -> int:
@@ -210,11 +219,6 @@ class SlotWriter:
             self.stream.send([bytes((DOORBELL + i,))], deadline)
             self.sent += piece.numel()
         return True
-
-
-def send(region: Region, stream, header: bytes, tensor: torch.Tensor, deadline: float) -> None:
-    """Send a frame whose payload goes through `region` (see `SlotWriter`), waiting for slots."""
-    SlotWriter(region, stream, header, tensor).write(deadline)
 
 
 def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
