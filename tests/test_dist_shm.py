@@ -174,14 +174,16 @@ def _switches(thread) -> int:
 
 
 def wakes_of_idle_threads(rank: int, world: int) -> dict:
-    """Start both link threads (large sends that queue, an irecv), let them go idle, then run
+    """Start both link threads (a large isend that queues, an irecv), let them go idle, then run
     small all_reduces and exchanges: how often each idle thread was woken meanwhile."""
     from course_lib import dist
     from course_lib.dist import group
 
     peer = group._world.transport.peer(1 - rank)
     big = torch.ones(3 * shm.SLOTS * shm.SLOT_BYTES // 4)
-    dist.all_reduce(big, algorithm="ring")  # isends that wait for slots: the sender thread
+    work = dist.isend(big, 1 - rank, tag=4)  # more than the slots take now: the sender thread
+    dist.recv(torch.empty_like(big), 1 - rank, tag=4)
+    work.wait()
     dist.irecv(torch.empty(3), 1 - rank, tag=5).wait() if rank == 0 else dist.send(
         torch.ones(3), 0, tag=5)  # an irecv: the receiver thread
     time.sleep(0.2)
