@@ -152,10 +152,8 @@ def fits_now(region: Region, stream, header_bytes: int, nbytes: int) -> bool:
     """Whether an `nbytes` payload would go through the slots without waiting: the slots it
     needs are free and the stream takes its header and doorbells. Then the caller's thread can
     send it itself instead of handing it to the sender thread (a wake-up and GIL hand-off)."""
-    slots = _slots_for(nbytes)
-    if slots > SLOTS or not stream_takes(stream, header_bytes, nbytes):
-        return False
-    return sum(not region.busy(i) for i in range(SLOTS)) >= slots
+    return (stream_takes(stream, header_bytes, nbytes)
+            and sum(not region.busy(i) for i in range(SLOTS)) >= _slots_for(nbytes))
 
 
 def stream_takes(stream, header_bytes: int, nbytes: int) -> bool:
