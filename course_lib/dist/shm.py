@@ -61,35 +61,14 @@ class Region:
     """A file in /dev/shm mapped into this process: flag bytes, then the slots."""
 
     def __init__(self, name: str, create: bool):
-        self.name, self.path = name, os.path.join(SHM_DIR, name)
-        mode = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, mode, 0o600)
-        try:
-            if create:
-                # Reserve the pages now: a full /dev/shm (Docker's is 64 MiB) fails here, with
-                # ENOSPC, instead of killing the process with SIGBUS on its first write.
-                os.posix_fallocate(fd, 0, REGION_BYTES)
-            elif os.fstat(fd).st_size != REGION_BYTES:
-                raise OSError(f"shared memory region {name} has the wrong size")
-            # Map every page now, on both ends: a fresh link's first messages would otherwise
-            # take a page fault per 4 KiB (MPI and NCCL touch their buffers at setup too).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, REGION_BYTES, flags=flags)
-        except BaseException:
-            if create:
-                self.unlink()
-            raise
-        finally:
-            os.close(fd)
+        self.name = name
+        self._map = map_file(name, REGION_BYTES, create)
         # Never unmapped by hand: a thread may still be copying; the mapping goes with the object.
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)
         self.ring = False  # whether this direction's frames use the ring (set by negotiate)
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink(self.name)
 
     def slot(self, i: int, n: int) -> torch.Tensor:
         start = SLOTS_START + i * SLOT_BYTES
@@ -107,6 +86,50 @@ class Region:
         self._map[i] = 1 if busy else 0
 
 
+def new_name() -> str:
+    """A fresh, unguessable name for a file in SHM_DIR (what `is_name` accepts)."""
+    return f"course_lib-dist-{secrets.token_hex(16)}"
+
+
+def is_name(name: bytes) -> bool:
+    """Whether a name a peer sent is one of ours: no path, nothing else in SHM_DIR."""
+    return _NAME.fullmatch(name) is not None
+
+
+def map_file(name: str, nbytes: int, create: bool, writable: bool = True) -> mmap.mmap:
+    """Map SHM_DIR/name, `nbytes` long, creating it (0600, exclusively) or opening a peer's,
+    which must have that size; read-only unless `writable`."""
+    path = os.path.join(SHM_DIR, name)
+    mode = ((os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
+            | (os.O_CREAT | os.O_EXCL if create else 0))
+    fd = os.open(path, mode, 0o600)
+    try:
+        if create:
+            # Reserve the pages now: a full /dev/shm (Docker's is 64 MiB) fails here, with
+            # ENOSPC, instead of killing the process with SIGBUS on its first write.
+            os.posix_fallocate(fd, 0, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise OSError(f"shared memory file {name} has the wrong size")
+        # Map every page now, on both ends: a fresh link's first messages would otherwise
+        # take a page fault per 4 KiB (MPI and NCCL touch their buffers at setup too).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, nbytes, flags=flags, prot=prot)
+    except BaseException:
+        if create:
+            unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
 def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Region | None]:
     """Offer this side's region, map the peer's if it is on this machine; (outgoing, incoming).
 
@@ -116,7 +139,7 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
     out = None
     if enabled():
         try:
-            out = Region(f"course_lib-dist-{secrets.token_hex(16)}", create=True)
+            out = Region(new_name(), create=True)
         except OSError:
             out = None
     try:
@@ -129,7 +152,7 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
             raise ProtocolError("bad shared-memory offer")
         name = name.rstrip(b"\0")
         incoming = None
-        if name and _NAME.fullmatch(name) and enabled():
+        if name and is_name(name) and enabled():
             try:
                 incoming = Region(name.decode(), create=False)
             except OSError:
