@@ -8,7 +8,8 @@ link's frames take: its socket, or a ring in shared memory) -> `shm` (large payl
 rank on this machine) -> `work` (an operation in flight), `matching` (which receive a message
 fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
 travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
-and `collectives` (the API); beside them `flight`, each group's record of its collectives and
+and `collectives` (the API), `symmetric` (buffers every rank maps, read in place by
+all_reduce); beside them `flight`, each group's record of its collectives and
 the diagnosis when one fails. In every file `op` is a `ReduceOp`, `name` an operation's name,
 `peer` a `Peer` and `peer_rank` the rank at its other end.
 """
@@ -22,6 +23,7 @@ from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group
                                    get_world_size, init_process_group, is_initialized, listen,
                                    new_group, set_debug_level)
 from course_lib.dist.p2p import irecv, isend, recv, send
+from course_lib.dist.symmetric import shared_zeros
 from course_lib.dist.work import Work
 
 __all__ = [
@@ -31,5 +33,5 @@ __all__ = [
     "get_global_rank", "get_process_group_ranks", "get_rank", "get_world_size",
     "init_process_group", "irecv", "is_initialized", "isend", "listen",
     "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send", "set_all_reduce_table",
-    "set_debug_level",
+    "set_debug_level", "shared_zeros",
 ]

@@ -16,12 +16,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from course_lib.dist import symmetric
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
 from course_lib.dist.work import Work
 
 SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 AUTO_TREE_MAX_BYTES = 256 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
-ALGORITHMS = ("auto", "naive", "ring", "tree", "rabenseifner")
+ALGORITHMS = ("auto", "naive", "ring", "tree", "rabenseifner", "shared")
 
 
 def _run(group: ProcessGroup | None, name: str, async_op: bool,
@@ -393,8 +394,18 @@ def _halve_then_double(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: i
         mask <<= 1
 
 
+def _all_reduce_shared(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
+                       name: str) -> None:
+    """A buffer from `dist.shared_zeros` (lesson 10): each rank reads its peers' copies in place."""
+    buf = symmetric.holds(g, flat)
+    if buf is None:
+        raise ValueError(f"rank {g.transport.rank}: {name}: the tensor is not a whole buffer "
+                         "from dist.shared_zeros on this group")
+    buf.all_reduce_(reducer(op), name)
+
+
 _ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive,
-               "rabenseifner": _all_reduce_rabenseifner}
+               "rabenseifner": _all_reduce_rabenseifner, "shared": _all_reduce_shared}
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -403,17 +414,19 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     """Reduce `tensor` across the group, in place on every rank.
 
     algorithm: "naive" (via rank 0), "ring" (bandwidth-optimal), "tree" (recursive doubling,
-    latency-optimal), "rabenseifner" (halving then doubling: lg p rounds, ring's bytes), or
-    "auto": the group's table's choice for this size and world size (`set_all_reduce_table`;
-    by default tree up to AUTO_TREE_MAX_BYTES and ring above; on 2 ranks tree up to 1 MiB,
-    Rabenseifner above).
+    latency-optimal), "rabenseifner" (halving then doubling: lg p rounds, ring's bytes),
+    "shared" (a buffer from `dist.shared_zeros`: peers' copies read in place, lesson 10), or
+    "auto": "shared" for such a buffer, else the group's table's choice for this size and world
+    size (`set_all_reduce_table`; by default tree up to AUTO_TREE_MAX_BYTES and ring above; on 2
+    ranks tree up to 1 MiB, Rabenseifner above).
     """
     op = check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     group = resolve(group, "all_reduce")
     if algorithm == "auto":
-        algorithm = table_choice(group.all_reduce_table, tensor.nbytes, group.size)
+        algorithm = ("shared" if symmetric.holds(group, tensor) is not None
+                     else table_choice(group.all_reduce_table, tensor.nbytes, group.size))
     impl, name = _ALL_REDUCE[algorithm], f"all_reduce({algorithm})"
 
     def body(g: ProcessGroup, tag: int) -> None:
