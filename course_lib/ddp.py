@@ -10,6 +10,7 @@ Built in the lesson's steps: one all_reduce per parameter, one flat buffer, buck
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -188,12 +189,12 @@ def check_same_tensors(tensors: Sequence[torch.Tensor], what: str, *, dist: Any,
 class _Bucket:
     """Parameters whose gradients travel together in one flat buffer and one all_reduce."""
 
-    def __init__(self, params: list[torch.Tensor], with_flags: bool):
+    def __init__(self, params: list[torch.Tensor], with_flags: bool,
+                 zeros: Callable[..., torch.Tensor] = torch.zeros):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         # With find_unused_parameters, one slot per parameter counts the ranks that used it.
-        self.flat = torch.zeros(self.numel + (len(params) if with_flags else 0),
-                                dtype=params[0].dtype)
+        self.flat = zeros(self.numel + (len(params) if with_flags else 0), dtype=params[0].dtype)
         # Each parameter's slice of `flat`, shaped like it: after the all_reduce it becomes the
         # parameter's .grad (torch's gradient_as_bucket_view), so nothing is copied back.
         self.views = [v.view_as(p) for v, p in
@@ -253,14 +254,17 @@ class DistributedDataParallel(nn.Module):
                              "requires grad")
         self.names = {id(p): n for n, p in named}
         self._buffers_to_sync = [b for b in module.buffers()]
-        self.buckets = [_Bucket(b, find_unused_parameters)
-                        for b in make_buckets([p for _, p in named], bucket_cap_mb,
-                                              first_bucket_cap_mb)]
+        grouped = make_buckets([p for _, p in named], bucket_cap_mb, first_bucket_cap_mb)
+        check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
+                           group=group, extra=(len(grouped), sum(
+                               (i + 1) * sum(p.numel() for p in b) for i, b in enumerate(grouped))))
+        # Our dist can put the buckets where every rank maps them (lesson 10): all_reduce then
+        # reads the peers' buckets in place. torch.distributed gets ordinary tensors.
+        shared = getattr(self.dist, "shared_zeros", None)
+        zeros = torch.zeros if shared is None else functools.partial(shared, group=group)
+        self.buckets = [_Bucket(b, find_unused_parameters, zeros) for b in grouped]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
-        check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
-                           group=group, extra=(len(self.buckets), sum(
-                               (i + 1) * b.numel for i, b in enumerate(self.buckets))))
         broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffers_to_sync,
                             self.src, dist=self.dist, group=group)
         self.expect_hooks = False

@@ -3,7 +3,7 @@
 Parity with plain single-process PyTorch on 2, 3 and 4 ranks (tolerances as in
 test_dist_collectives: floats rtol=atol=1e-5 for float32, 1e-12 for float64, integers exact),
 every rank ending with the same bits; the shared path must be the one taken (the flight
-recorder's algorithm). Bad input and a missing or dead peer
+recorder's algorithm), and DDP must put its buckets there. Bad input and a missing or dead peer
 get an error naming the ranks, never a hang.
 """
 
@@ -174,3 +174,38 @@ def test_a_missing_peer_is_named_not_waited_for_forever(tmp_path, how):
         assert result["elapsed"] < 8, result
     else:
         assert result["elapsed"] < 3, result  # the closed link is noticed before the timeout
+
+
+def ddp_buckets(rank: int, world: int) -> dict:
+    from torch import nn
+
+    from course_lib import ddp, dist
+    from course_lib.dist import group
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    wrapped = ddp.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=None)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = [torch.randn(6, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for _ in range(3):
+        wrapped(x[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad()
+        sum(reference(xr).square().mean() for xr in x).div(world).backward()
+        ref_opt.step()
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                        reference.parameters()))
+    return {"buckets": len(wrapped.buckets),
+            "shared": all(b.flat.data_ptr() in group._world.shared for b in wrapped.buckets),
+            "max_err": err}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_buckets_are_shared_and_training_matches_one_process(world):
+    for out in spawn(ddp_buckets, world, backend="scratch", timeout=120):
+        assert out["buckets"] > 1 and out["shared"], out
+        assert out["max_err"] < 1e-6, out  # float32, three SGD steps
