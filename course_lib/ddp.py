@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from course_lib import dist as scratch
 from course_lib.backend import default_dist, global_rank
 
 MiB = 1024 * 1024
@@ -258,10 +259,10 @@ class DistributedDataParallel(nn.Module):
         check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
                            group=group, extra=(len(grouped), sum(
                                (i + 1) * sum(p.numel() for p in b) for i, b in enumerate(grouped))))
-        # Our dist can put the buckets where every rank maps them (lesson 10): all_reduce then
-        # reads the peers' buckets in place. torch.distributed gets ordinary tensors.
-        shared = getattr(self.dist, "shared_zeros", None)
-        zeros = torch.zeros if shared is None else functools.partial(shared, group=group)
+        # Our own dist can put the buckets where every rank maps them (lesson 10): all_reduce
+        # then reads the peers' buckets in place. Any other dist gets ordinary tensors.
+        zeros = (functools.partial(scratch.shared_zeros, group=group) if self.dist is scratch
+                 else torch.zeros)
         self.buckets = [_Bucket(b, find_unused_parameters, zeros) for b in grouped]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
