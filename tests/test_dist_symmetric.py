@@ -78,7 +78,6 @@ def test_shared_all_reduce_equals_single_process(world):
 def check_sub_group_and_files(rank: int, world: int) -> dict:
     """A sub-group's buffer, the files left in /dev/shm, and the shared algorithm by name."""
     from course_lib import dist
-    from course_lib.dist import shm
 
     out = {}
     sub = dist.new_group([1, 2])
@@ -134,6 +133,35 @@ def test_without_shared_memory_every_rank_gets_an_ordinary_tensor(monkeypatch):
         assert out == {"shared": False, "algorithm": "tree", "sum": [3.0]}, out
 
 
+def one_rank_cannot(rank: int, world: int) -> list:
+    """Rank 1 cannot create its file, then cannot map a peer's: every rank falls back alike."""
+    from course_lib import dist
+    from course_lib.dist import group, shm, symmetric
+
+    out = []
+    real_create, real_map = symmetric._create, shm.map_file
+    for trouble in ("create", "map"):
+        if rank == 1 and trouble == "create":
+            symmetric._create = lambda g, nbytes: None  # as if /dev/shm were full here
+        if rank == 1 and trouble == "map":
+            def refuse(name, nbytes, create, writable=True):
+                if not create:
+                    raise OSError("cannot map")
+                return real_map(name, nbytes, create, writable)
+            shm.map_file = refuse
+        buf = dist.shared_zeros(1000)
+        symmetric._create, shm.map_file = real_create, real_map
+        buf.fill_(rank + 1)
+        dist.all_reduce(buf)
+        out.append((buf.data_ptr() in group._world.shared, buf.unique().tolist()))
+    return out
+
+
+def test_when_one_rank_cannot_share_every_rank_gets_an_ordinary_tensor():
+    for out in spawn(one_rank_cannot, 3, backend="scratch", timeout=60):
+        assert out == [(False, [6.0]), (False, [6.0])], out
+
+
 def absent_peer(rank: int, world: int, outdir: str, how: str) -> None:
     """Rank 1 never joins the all_reduce: it waits, or dies; rank 0 must raise, naming it."""
     import time
@@ -179,7 +207,7 @@ def test_a_missing_peer_is_named_not_waited_for_forever(tmp_path, how):
 def ddp_buckets(rank: int, world: int) -> dict:
     from torch import nn
 
-    from course_lib import ddp, dist
+    from course_lib import ddp
     from course_lib.dist import group
 
     torch.manual_seed(0)

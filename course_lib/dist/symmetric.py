@@ -25,7 +25,7 @@ import torch
 
 from course_lib.dist import ring, shm
 from course_lib.dist.group import ProcessGroup, resolve
-from course_lib.dist.wire import DTYPE_CODE
+from course_lib.dist.wire import DTYPE_CODE, PeerClosed
 
 HEADER_BYTES = 4096  # the counters; the data starts on a page of its own
 READY, REDUCED, COPIED = 0, 8, 16  # each counter's index, in 8-byte words: a cache line apart
@@ -49,7 +49,8 @@ class SharedBuffer:
 
     def all_reduce_(self, combine: Callable[[torch.Tensor, torch.Tensor], None],
                     name: str) -> None:
-        """Reduce every rank's buffer into every rank's buffer, in place."""
+        """Reduce every rank's buffer into every rank's buffer, in place. After one that
+        failed, the ranks' counters are out of step: later calls fail too (allocate anew)."""
         g, seq = self.group, self.seq + 1
         self.seq = seq
         bounds = split_bounds(self.numel, g.size)
@@ -88,7 +89,7 @@ class SharedBuffer:
                                  f"waiting for its shared buffer", timeout=True)
             try:
                 ring.check_peer(peer.receiver.sock)
-            except ring.PeerClosed:
+            except PeerClosed:
                 raise peer.error(name, "from", "peer closed the connection") from None
             time.sleep(nap)
             nap = min(2 * nap, NAP_SECONDS[1])
@@ -125,19 +126,21 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
                          f"{size} and {dtype}")
     nbytes = HEADER_BYTES + size * dtype.itemsize
     name = _create(g, nbytes)
-    infos = [torch.empty(INFO_BYTES, dtype=torch.uint8) for _ in range(g.size)]
-    all_gather(infos, _info(name, size, dtype), group=g)
-    differ = [g.ranks[i] for i, info in enumerate(infos)
-              if not torch.equal(info[1:16], infos[0][1:16])]
-    if differ:
-        _drop(name)
-        raise ValueError(f"rank {g.transport.rank}: shared_zeros: ranks {differ} asked for a size "
-                         f"or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
-    maps = _map_all(g, infos, nbytes) if size and all(int(i[0]) for i in infos) else None
-    ok = torch.tensor([maps is not None], dtype=torch.uint8)
-    oks = [torch.empty_like(ok) for _ in range(g.size)]
-    all_gather(oks, ok, group=g)  # after this, every peer has mapped our file or given up
-    _drop(name)
+    try:  # our file goes from /dev/shm on every path, once every peer has mapped it or given up
+        infos = [torch.empty(INFO_BYTES, dtype=torch.uint8) for _ in range(g.size)]
+        all_gather(infos, _info(name, size, dtype), group=g)
+        differ = [g.ranks[i] for i, info in enumerate(infos)
+                  if not torch.equal(info[1:16], infos[0][1:16])]
+        if differ:
+            raise ValueError(f"rank {g.transport.rank}: shared_zeros: ranks {differ} asked for a "
+                             f"size or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
+        maps = _map_all(g, infos, nbytes) if size and all(int(i[0]) for i in infos) else None
+        ok = torch.tensor([maps is not None], dtype=torch.uint8)
+        oks = [torch.empty_like(ok) for _ in range(g.size)]
+        all_gather(oks, ok, group=g)
+    finally:
+        if name is not None:
+            shm.unlink(name)
     if maps is None or not all(int(o) for o in oks):
         return torch.zeros(size, dtype=dtype)
     buf = SharedBuffer(g, maps, size, dtype)
@@ -186,8 +189,3 @@ def _map_all(g: ProcessGroup, infos: list[torch.Tensor], nbytes: int) -> list | 
         except OSError:
             return None
     return maps
-
-
-def _drop(name: str | None) -> None:
-    if name is not None:
-        shm.unlink(name)
