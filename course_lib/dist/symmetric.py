@@ -26,6 +26,7 @@ import torch
 from course_lib.dist import ring, shm
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.wire import DTYPE_CODE, PeerClosed
+from course_lib.i18n import _
 
 HEADER_BYTES = 4096  # the counters; the data starts on a page of its own
 READY, REDUCED, COPIED = 0, 8, 16  # each counter's index, in 8-byte words: a cache line apart
@@ -85,8 +86,9 @@ class SharedBuffer:
         while theirs[counter] < seq:
             peer.check_alive(name, "from")
             if time.monotonic() >= deadline:
-                raise peer.error(name, "from", f"timed out after {self.group.timeout:.1f}s "
-                                 f"waiting for its shared buffer", timeout=True)
+                raise peer.error(name, "from", _(
+                    "timed out after {seconds}s (the peer has not reached this call)",
+                    seconds=f"{self.group.timeout:.1f}"), timeout=True)
             try:
                 ring.check_peer(peer.receiver.sock)
             except PeerClosed:
