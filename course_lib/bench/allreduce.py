@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=parse_sizes, default="4KiB,1MiB,16MiB",
                         help="comma list of byte sizes (4KiB, 1MiB, 16MiB; KB/MB: powers of 10)")
     parser.add_argument("--algorithms", default="ring",
-                        help="scratch algorithms, comma list of ring, tree, naive, auto")
+                        help="scratch algorithms, comma list of ring, tree, naive, rabenseifner, "
+                             "auto, shared (a buffer from dist.shared_zeros, read in place)")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
     parser.add_argument("--warmup", type=int, default=WARMUP,
                         help=f"untimed repeats per size and process set (default {WARMUP})")
@@ -107,7 +108,11 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
     expected = float(world * (world + 1) // 2)  # every rank contributes rank + 1: exact in fp32
     for nbytes, algorithm in plan:
         barrier, all_reduce = _backend_ops(backend, algorithm)
-        buf = torch.empty(nbytes // DTYPE_BYTES, dtype=torch.float32)
+        if algorithm == "shared":  # every rank allocates it in the same call: plans are equal
+            from course_lib import dist
+            buf = dist.shared_zeros(nbytes // DTYPE_BYTES)
+        else:
+            buf = torch.empty(nbytes // DTYPE_BYTES, dtype=torch.float32)
         row = times.setdefault(f"{nbytes}/{algorithm}", [])
         for i in range(warmup + repeats):
             buf.fill_(rank + 1)
