@@ -102,6 +102,12 @@ def check_sub_group_and_files(rank: int, world: int) -> dict:
         out["mismatch"] = None
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    for bad in ((3, 4), 2.5):  # refused before any communication, on every rank alike
+        try:
+            dist.shared_zeros(bad)
+            out[f"bad {bad}"] = None
+        except TypeError as exc:
+            out[f"bad {bad}"] = str(exc)
     return out
 
 
@@ -112,6 +118,9 @@ def test_sub_group_buffers_no_files_left_and_clear_errors():
         assert "not a whole buffer from dist.shared_zeros" in out["plain_as_shared"], out
         assert f"rank {rank}: shared_zeros: ranks [1, 2] asked for a size or dtype other " \
                "than rank 0's" in out["mismatch"], out
+        for bad in ("(3, 4)", "2.5"):
+            assert f"size is a number of elements (the buffer is 1-D), got {bad}" in \
+                out[f"bad {bad}"], out
     for rank in (1, 2):
         assert results[rank]["sub_sum"] == [3.0] and results[rank]["sub_shared"], results[rank]
 

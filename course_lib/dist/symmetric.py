@@ -15,6 +15,7 @@ peers' files read-only. Every wait has the group's deadline and watches the peer
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import warnings
@@ -122,7 +123,10 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
     from course_lib.dist.collectives import all_gather  # collectives imports this module
 
     g = resolve(group, "shared_zeros")
-    size = int(size)
+    if isinstance(size, bool) or not hasattr(size, "__index__"):
+        raise TypeError(f"shared_zeros: size is a number of elements (the buffer is 1-D), got "
+                        f"{size!r}")
+    size = operator.index(size)
     if size < 0 or dtype not in DTYPE_CODE:
         raise ValueError(f"shared_zeros: needs a size >= 0 and a dtype of the wire's, got "
                          f"{size} and {dtype}")
