@@ -418,6 +418,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
     results.write()  # an interrupted run may have replaced one file and not the other
     done = {r["notebook"] for r in results.rows}
     env = dict(os.environ, **{containment.TOKEN_ENV: ledger.token})
+    ledger.write([])  # our token is on disk before anything we start can carry it
     try:
         for sub in collect(paths):
             if str(sub.path) in done:

@@ -4,9 +4,11 @@ and a ledger of PIDs so that a grader killed outright leaves nothing running aft
 A kernel gets an address-space and a file-size limit (inherited by everything it starts), so
 exhausting memory or writing a huge file fails inside the submission. The grader makes itself
 a child subreaper (Linux), so a process that double-forks away from the kernel is re-parented
-to the grader, which notes and ends it with the kernel. Every PID noted is also written to the
-ledger in the grades folder; a later `course-grade` ends any that still run (only processes
-that carry this run's token in their environment: the ledger is not trusted to name others).
+to the grader, which notes and ends it with the kernel. The run's token, in every kernel's
+environment, is on disk in the grades folder before the first kernel starts, with every PID
+noted since; a later `course-grade` ends every process that still carries that token, noted or
+not (a child started just before the grader was killed), and nothing else: the ledger is not
+trusted to name other processes.
 """
 
 from __future__ import annotations
@@ -74,20 +76,18 @@ class Ledger:
         self.path.unlink(missing_ok=True)
 
     def end_leftovers(self) -> list[int]:
-        """End what an earlier run noted and that still runs with its token; returns the PIDs."""
+        """End every process that still runs with an earlier run's token; returns the PIDs."""
         try:
-            data = json.loads(self.path.read_text())
-            token, entries = str(data["token"]), [(int(p), float(t)) for p, t in data["pids"]]
+            token = str(json.loads(self.path.read_text())["token"])
         except (OSError, ValueError, KeyError, TypeError):
             return []
         ours = []
-        for pid, created in entries:
+        for process in psutil.process_iter():
             try:
-                if psutil.Process(pid).environ().get(TOKEN_ENV) == token:
-                    ours.append((pid, created))
+                if token and process.environ().get(TOKEN_ENV) == token:
+                    ours.append((process.pid, process.create_time()))
             except psutil.Error:
                 pass
-        ended = [pid for pid, _ in ours]
         end_processes(ours, grace=2.0, reap=False)
         self.clear()
-        return ended
+        return [pid for pid, _ in ours]
