@@ -180,9 +180,10 @@ def absent_peer(rank: int, world: int, outdir: str, how: str) -> None:
     g = dist.new_group([0, 1], timeout=3.0)
     buf = dist.shared_zeros(1000, group=g)
     if rank == 1:
+        time.sleep(0.5)  # rank 0 is waiting in the all_reduce by now
         if how == "dies":
             os._exit(17)
-        time.sleep(8)
+        time.sleep(7.5)
         return
     t0 = time.monotonic()
     try:
