@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from course_lib.spawn import SpawnError, spawn
+from outcome import record_outcome  # tests/ is on sys.path
 
 GROUP_TIMEOUT = 60.0
 
@@ -32,15 +33,7 @@ def die_mid_all_reduce(rank: int, world: int, outdir: str, victim: int) -> None:
         def crash(*args):  # ...until the victim dies after receiving its first segment
             os._exit(17)
         collectives._REDUCERS[dist.ReduceOp.SUM] = crash  # what reduce_ and reducer call
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(t, algorithm="ring")
-        result = {"error": None}
-    except dist.DistError as exc:
-        result = {"error": str(exc), "type": type(exc).__name__}
-    result["elapsed"] = time.monotonic() - t0
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    record_outcome(lambda: dist.all_reduce(t, algorithm="ring"), outdir, rank)
 
 
 def test_dead_rank_makes_every_other_rank_raise(tmp_path):

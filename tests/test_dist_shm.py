@@ -17,6 +17,7 @@ import torch
 from course_lib.dist import shm
 from course_lib.dist.wire import HEADER, encode_header
 from course_lib.spawn import SpawnError, spawn
+from outcome import record_outcome  # tests/ is on sys.path
 
 pytestmark = pytest.mark.skipif(not shm.enabled(), reason="shared memory needs Linux /dev/shm")
 
@@ -87,15 +88,7 @@ def send_to_absent_receiver(rank: int, world: int, mode: str, outdir: str) -> No
         time.sleep(6.0)
         return
     group._world.timeout = 2.0 if mode == "silent" else 60.0
-    t0 = time.monotonic()
-    try:
-        dist.send(torch.ones(BIG, dtype=torch.float64), 1)
-        result = {"error": None}
-    except dist.DistError as exc:
-        result = {"error": str(exc), "type": type(exc).__name__}
-    result["elapsed"] = time.monotonic() - t0
-    with open(os.path.join(outdir, "rank0.json"), "w") as f:
-        json.dump(result, f)
+    record_outcome(lambda: dist.send(torch.ones(BIG, dtype=torch.float64), 1), outdir, 0)
 
 
 def test_dead_receiver_ends_a_shared_memory_send(tmp_path):

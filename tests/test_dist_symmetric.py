@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from course_lib.spawn import SpawnError, spawn
+from outcome import record_outcome  # tests/ is on sys.path
 from test_dist_collectives import make, reference, same  # tests/ is on sys.path
 
 SIZES = [1, 3, 1001, 70001]  # 1 and 3: fewer elements than ranks, some chunks empty
@@ -185,15 +186,7 @@ def absent_peer(rank: int, world: int, outdir: str, how: str) -> None:
             os._exit(17)
         time.sleep(7.5)
         return
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(buf, group=g)
-        result = {"error": None}
-    except dist.DistError as exc:
-        result = {"error": str(exc), "type": type(exc).__name__}
-    result["elapsed"] = time.monotonic() - t0
-    with open(os.path.join(outdir, "rank0.json"), "w") as f:
-        json.dump(result, f)
+    record_outcome(lambda: dist.all_reduce(buf, group=g), outdir, 0)
 
 
 @pytest.mark.parametrize("how", ["waits", "dies"])
