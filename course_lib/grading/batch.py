@@ -24,7 +24,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import nbformat
 from nbclient import NotebookClient
@@ -104,15 +103,13 @@ def _row(student: str, path: Path, exercise: str, points: float, max_points: flo
 class KernelSession:
     """A fresh kernel for one submission; `close()` ends it and its process tree by PID."""
 
-    def __init__(self, nb: nbformat.NotebookNode, cwd: Path,
-                 noted: Callable[[list], None] = lambda recorded: None):
+    def __init__(self, nb: nbformat.NotebookNode, cwd: Path):
         self.client = NotebookClient(nb, kernel_name="python3", allow_errors=True,
                                      interrupt_on_timeout=False, shutdown_kernel="graceful",
                                      resources={"metadata": {"path": str(cwd)}})
         self.cwd = cwd
         self.pid: int | None = None
         self.tree = ProcessSet()  # the kernel and everything it starts
-        self._noted = noted       # told every PID as it is first seen (the ledger)
         self._closing = threading.Event()
         self._started = 0.0
 
@@ -135,12 +132,9 @@ class KernelSession:
         self.client.start_new_kernel_client()
 
     def _note(self) -> None:
-        before = len(self.tree.recorded)
         self.tree.add(self.pid)
         for child in containment.adopted_since(self._started):
             self.tree.add(child)
-        if len(self.tree.recorded) != before:
-            self._noted(list(self.tree))
 
     def _watch_tree(self) -> None:
         while not self._closing.wait(TREE_POLL_SECONDS):
@@ -285,21 +279,20 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
 
 
 def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str | None = None,
-                     source: Path = SOURCE, noted: Callable[[list], None] = lambda r: None,
-                     env: dict[str, str] | None = None) -> list[dict]:
+                     source: Path = SOURCE, env: dict[str, str] | None = None) -> list[dict]:
     """One row per exercise of the submission's lesson (or one row if that cannot be told).
-    `source` holds the instructor's notebooks; `noted` is told the PIDs the kernel starts.
+    `source` holds the instructor's notebooks.
     Reasons are written in the submission's edition (a Spanish notebook gets Spanish ones)."""
     nb, name, exercises, error = _read(sub, lesson)
     lang = language_of(nb) if nb is not None else None
     with language(lang):
-        return _grade(sub, nb, name, exercises, error, limits, source, noted,
+        return _grade(sub, nb, name, exercises, error, limits, source,
                       dict(env or os.environ, **({LANG_ENV: lang} if lang else {})))
 
 
 def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
            exercises: list[Exercise], error: str, limits: Limits, source: Path,
-           noted: Callable[[list], None], env: dict[str, str]) -> list[dict]:
+           env: dict[str, str]) -> list[dict]:
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
                 for ex, points, reason in graded]
@@ -316,7 +309,7 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
     nb.cells = [c for c in nb.cells if c.cell_type == "code"]
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
     (work / "cwd").mkdir()
-    session = KernelSession(nb, work / "cwd", noted)
+    session = KernelSession(nb, work / "cwd")
     try:
         # The package's reference components, never a learner's overlay on this machine
         session.start(dict(env, **{GRADING_ENV: "1", USE_ENV: "reference",
@@ -418,7 +411,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
     results.write()  # an interrupted run may have replaced one file and not the other
     done = {r["notebook"] for r in results.rows}
     env = dict(os.environ, **{containment.TOKEN_ENV: ledger.token})
-    ledger.write([])  # our token is on disk before anything we start can carry it
+    ledger.write()  # our token is on disk before anything we start can carry it
     try:
         for sub in collect(paths):
             if str(sub.path) in done:
@@ -426,7 +419,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
                 continue
             start = time.monotonic()
             new = grade_submission(sub, limits=limits, lesson=lesson, source=Path(source),
-                                   noted=ledger.write, env=env)
+                                   env=env)
             if results.tampered():
                 for r in new:
                     r["reason"] += (" [the submission wrote into the grades folder: "

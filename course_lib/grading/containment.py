@@ -1,14 +1,14 @@
 """Keeping a submission's kernel in bounds: resource limits, escaped processes found again,
-and a ledger of PIDs so that a grader killed outright leaves nothing running after its next start.
+and a ledger of the run's token so that a grader killed outright leaves nothing running after
+its next start.
 
 A kernel gets an address-space and a file-size limit (inherited by everything it starts), so
 exhausting memory or writing a huge file fails inside the submission. The grader makes itself
 a child subreaper (Linux), so a process that double-forks away from the kernel is re-parented
 to the grader, which notes and ends it with the kernel. The run's token, in every kernel's
-environment, is on disk in the grades folder before the first kernel starts, with every PID
-noted since; a later `course-grade` ends every process that still carries that token, noted or
-not (a child started just before the grader was killed), and nothing else: the ledger is not
-trusted to name other processes.
+environment, is on disk in the grades folder before the first kernel starts; a later
+`course-grade` ends every process that still carries that token (a child started just before
+the grader was killed included), and nothing else: the ledger names no process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 
 import psutil
 
-from course_lib.processes import Recorded, end_processes
+from course_lib.processes import end_processes
 
 PR_SET_CHILD_SUBREAPER = 36
 TOKEN_ENV = "COURSE_GRADE_RUN"  # in every kernel's environment: which run started it
@@ -61,15 +61,15 @@ def adopted_since(created: float) -> list[psutil.Process]:
 
 
 class Ledger:
-    """The PIDs one grading run started, on disk in the grades folder as they appear."""
+    """One grading run's token, on disk in the grades folder while the run lasts."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / LEDGER
         self.token = secrets.token_hex(16)
 
-    def write(self, recorded: list[Recorded]) -> None:
+    def write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"token": self.token, "pids": recorded}))
+        tmp.write_text(json.dumps({"token": self.token}))
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
@@ -82,9 +82,9 @@ class Ledger:
         except (OSError, ValueError, KeyError, TypeError):
             return []
         ours = []
-        for process in psutil.process_iter():
+        for process in psutil.process_iter() if token else ():
             try:
-                if token and process.environ().get(TOKEN_ENV) == token:
+                if process.environ().get(TOKEN_ENV) == token:
                     ours.append((process.pid, process.create_time()))
             except psutil.Error:
                 pass
