@@ -152,7 +152,7 @@ def one_rank_cannot(rank: int, world: int) -> list:
     real_create, real_map = symmetric._create, shm.map_file
     for trouble in ("create", "map"):
         if rank == 1 and trouble == "create":
-            symmetric._create = lambda g, nbytes: None  # as if /dev/shm were full here
+            symmetric._create = lambda g, nbytes: (None, None)  # as if /dev/shm were full here
         if rank == 1 and trouble == "map":
             def refuse(name, nbytes, create, writable=True):
                 if not create:

@@ -15,6 +15,7 @@ peers' files read-only. Every wait has the group's deadline and watches the peer
 
 from __future__ import annotations
 
+import mmap
 import operator
 import os
 import time
@@ -48,27 +49,28 @@ class SharedBuffer:
         self.counters = [memoryview(m)[:HEADER_BYTES].cast("Q") for m in maps]
         self.mine = self.counters[group.rank]
         self.seq = 0
+        self.bounds = split_bounds(numel, group.size)  # rank q reduces bounds[q]:bounds[q + 1]
+        # The peers in the order this rank reads their chunks: each rank starts at the next one.
+        self.others = [(group.rank + k) % group.size for k in range(1, group.size)]
 
     def all_reduce_(self, combine: Callable[[torch.Tensor, torch.Tensor], None],
                     name: str) -> None:
         """Reduce every rank's buffer into every rank's buffer, in place. After one that
         failed, the ranks' counters are out of step: later calls fail too (allocate anew)."""
-        g, seq = self.group, self.seq + 1
+        me, bounds, seq = self.group.rank, self.bounds, self.seq + 1
         self.seq = seq
-        bounds = split_bounds(self.numel, g.size)
-        others = [q for q in range(g.size) if q != g.rank]
-        lo, hi = bounds[g.rank], bounds[g.rank + 1]
-        mine = self.data[g.rank][lo:hi]
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = self.data[me][lo:hi]
         self.mine[READY] = seq
-        for q in sorted(others, key=lambda q: (q - g.rank) % g.size):  # each starts elsewhere
+        for q in self.others:
             self._wait(q, READY, seq, name)
             combine(mine, self.data[q][lo:hi])
         self.mine[REDUCED] = seq
-        for q in others:
+        for q in self.others:
             self._wait(q, REDUCED, seq, name)
-            self.data[g.rank][bounds[q]:bounds[q + 1]] = self.data[q][bounds[q]:bounds[q + 1]]
+            self.data[me][bounds[q]:bounds[q + 1]] = self.data[q][bounds[q]:bounds[q + 1]]
         self.mine[COPIED] = seq
-        for q in others:  # nobody reads our buffer any more once we return
+        for q in self.others:  # nobody reads our buffer any more once we return
             self._wait(q, COPIED, seq, name)
 
     def _wait(self, q: int, counter: int, seq: int, name: str) -> None:
@@ -131,7 +133,7 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"shared_zeros: needs a size >= 0 and a dtype of the wire's, got "
                          f"{size} and {dtype}")
     nbytes = HEADER_BYTES + size * dtype.itemsize
-    name = _create(g, nbytes)
+    name, own = _create(g, nbytes)
     try:  # our file goes from /dev/shm on every path, once every peer has mapped it or given up
         infos = [torch.empty(INFO_BYTES, dtype=torch.uint8) for _ in range(g.size)]
         all_gather(infos, _info(name, size, dtype), group=g)
@@ -140,7 +142,7 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
         if differ:
             raise ValueError(f"rank {g.transport.rank}: shared_zeros: ranks {differ} asked for a "
                              f"size or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
-        maps = _map_all(g, infos, nbytes) if size and all(int(i[0]) for i in infos) else None
+        maps = _map_all(g, infos, nbytes, own) if size and all(int(i[0]) for i in infos) else None
         ok = torch.tensor([maps is not None], dtype=torch.uint8)
         oks = [torch.empty_like(ok) for _ in range(g.size)]
         all_gather(oks, ok, group=g)
@@ -156,19 +158,18 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
     return tensor
 
 
-def _create(g: ProcessGroup, nbytes: int) -> str | None:
-    """Create this rank's file if sharing can work: shared memory on, and every peer of the
-    group on this machine (its link has a region); None otherwise."""
+def _create(g: ProcessGroup, nbytes: int) -> tuple[str | None, mmap.mmap | None]:
+    """Create and map this rank's file if sharing can work: shared memory on, and every peer
+    of the group on this machine (its link has a region); (None, None) otherwise."""
     if not (g.size > 1 and shm.enabled() and ring.supported()):
-        return None
+        return None, None
     if any(g.transport.peer(r).kind() == "tcp" for r in g.ranks if r != g.transport.rank):
-        return None
+        return None, None
     name = shm.new_name()
     try:
-        shm.map_file(name, nbytes, create=True).close()
+        return name, shm.map_file(name, nbytes, create=True)
     except OSError:
-        return None
-    return name
+        return None, None
 
 
 def _info(name: str | None, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -182,16 +183,20 @@ def _info(name: str | None, size: int, dtype: torch.dtype) -> torch.Tensor:
     return info
 
 
-def _map_all(g: ProcessGroup, infos: list[torch.Tensor], nbytes: int) -> list | None:
-    """Every rank's file, ours writable and the peers' read-only; None if one cannot be."""
+def _map_all(g: ProcessGroup, infos: list[torch.Tensor], nbytes: int,
+             own: mmap.mmap) -> list | None:
+    """Every rank's file: ours as `_create` mapped it, the peers' read-only; None if one of
+    theirs cannot be mapped."""
     maps = []
     for i, info in enumerate(infos):
+        if i == g.rank:
+            maps.append(own)
+            continue
         name = bytes(info[16:].tolist()).rstrip(b"\0")
         if not shm.is_name(name):
             return None
         try:
-            maps.append(shm.map_file(name.decode(), nbytes, create=False,
-                                     writable=i == g.rank))
+            maps.append(shm.map_file(name.decode(), nbytes, create=False, writable=False))
         except OSError:
             return None
     return maps
