@@ -17,7 +17,7 @@ from course_lib.spawn import spawn
 SIZES = [0, 1, 7, 1001, 70001]
 SEGMENT_BYTES = 64 * 1024  # so that 70001 elements travel in several pipelined segments
 DTYPES = [torch.float32, torch.int64]
-ALGORITHMS = ["naive", "ring", "tree", "rabenseifner", "auto"]
+ALGORITHMS = ["naive", "ring", "tree", "rabenseifner", "one_shot", "auto"]
 
 
 def make(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -167,10 +167,16 @@ def check_auto_table(rank: int, world: int) -> list[str]:
     except ValueError as exc:
         if f"ranks [{world - 1}] passed a table different" not in str(exc):
             bad.append(f"rank {rank}: unclear table mismatch error: {exc}")
-    dist.set_all_reduce_table(None)
-    dist.all_reduce(torch.ones(3))
-    if dist.flight_record()["groups"]["0"]["entries"][-1]["algorithm"] != "tree":
-        bad.append(f"rank {rank}: the default table does not pick the tree for 12 bytes")
+    dist.set_all_reduce_table(None)  # the default: staged through shared memory while it fits
+    from course_lib.dist.collectives import table_choice
+    from course_lib.dist.symmetric import ONE_SHOT_MAX_BYTES
+
+    above = ONE_SHOT_MAX_BYTES // 4 + 1
+    for n, want in ((3, "one_shot"), (above, table_choice(None, 4 * above, world))):
+        dist.all_reduce(torch.ones(n))
+        got = dist.flight_record()["groups"]["0"]["entries"][-1]["algorithm"]
+        if got != want:
+            bad.append(f"rank {rank}: with no table, {4 * n} bytes ran {got}, want {want}")
     return bad
 
 

@@ -240,3 +240,198 @@ def test_ddp_buckets_are_shared_and_training_matches_one_process(world):
     for out in spawn(ddp_buckets, world, backend="scratch", timeout=120):
         assert out["buckets"] > 1 and out["shared"], out
         assert out["max_err"] < 1e-6, out  # float32, three SGD steps
+
+
+# --- the group's staging buffer: all_reduce(algorithm="one_shot") on ordinary tensors ---------
+
+ONE_SHOT_SIZES = [1, 1001, 40000, 70001]  # 70001 float64 (560 KB): three pieces of a half each
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+
+
+def check_one_shot(rank: int, world: int) -> list[str]:
+    """Every op and dtype against one process; the same bits on every rank; "auto" stages what
+    fits a half and leaves larger tensors to the table; shapes other than 1-D come back whole."""
+    from course_lib import dist
+    from course_lib.dist import ReduceOp, symmetric
+
+    failures = []
+    for dtype in DTYPES:
+        for n in ONE_SHOT_SIZES:
+            for salt, name in enumerate(OPS):
+                op = ReduceOp[name]
+                inputs = [make(r, n, dtype, salt) for r in range(world)]
+                if op is ReduceOp.PRODUCT:  # keep products of many values finite and exact
+                    inputs = [x.sign() if dtype is torch.int64 else x.clamp(-1, 1)
+                              for x in inputs]
+                for algorithm in ("one_shot", "auto"):
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, op=op, algorithm=algorithm)
+                    fits = t.nbytes <= symmetric.ONE_SHOT_MAX_BYTES
+                    if algorithm == "auto" and (last_algorithm() == "one_shot") != fits:
+                        failures.append(f"{dtype} {n}: auto took {last_algorithm()}")
+                    if not same(t, reference(inputs, op)):
+                        failures.append(f"{algorithm} {dtype} {n} {name}: wrong result")
+                    theirs = [torch.empty_like(t) for _ in range(world)]
+                    dist.all_gather(theirs, t)
+                    if algorithm == "one_shot" and not all(torch.equal(x, t) for x in theirs):
+                        failures.append(f"{dtype} {n} {name}: ranks differ")
+    grid = torch.arange(12.0).view(3, 4).t() * (rank + 1)  # not contiguous, 2-D
+    dist.all_reduce(grid, algorithm="one_shot")
+    total = world * (world + 1) // 2
+    if not torch.equal(grid, torch.arange(12.0).view(3, 4).t() * total):
+        failures.append("a transposed 2-D tensor came back wrong")
+    flags = torch.tensor([rank == 0, False, True])
+    dist.all_reduce(flags, op=ReduceOp.MAX, algorithm="one_shot")
+    if flags.tolist() != [True, False, True]:
+        failures.append(f"bool MAX gave {flags.tolist()}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_shot_all_reduce_equals_single_process(world):
+    results = spawn(check_one_shot, world, backend="scratch", timeout=300)
+    assert results == [[]] * world, results
+
+
+def one_shot_in_call_order(rank: int, world: int) -> dict:
+    """Async calls run on the group's worker, blocking ones on the caller's thread: the staged
+    calls still run in call order, and a sub-group stages through a buffer of its own."""
+    from course_lib import dist
+
+    a = [torch.full((100 + i,), float(rank + i)) for i in range(6)]
+    works = []
+    for i, t in enumerate(a):
+        if i % 3 == 2:
+            dist.all_reduce(t)
+        else:
+            works.append(dist.all_reduce(t, async_op=True))
+    for w in works:
+        w.wait()
+    want = [sum(r + i for r in range(world)) for i in range(6)]
+    out = {"sums": [t.unique().tolist() for t in a], "want": [[float(w)] for w in want]}
+    sub = dist.new_group([0, 1])
+    if rank < 2:
+        t = torch.full((10,), rank + 1.0)
+        dist.all_reduce(t, group=sub)
+        out["sub"] = t.unique().tolist()
+        out["own_buffer"] = sub.staging is not dist.group._world.staging and bool(sub.staging)
+    return out
+
+
+def test_staged_calls_keep_call_order_async_or_not():
+    for rank, out in enumerate(spawn(one_shot_in_call_order, 3, backend="scratch", timeout=60)):
+        assert out["sums"] == out["want"], out
+        if rank < 2:
+            assert out["sub"] == [3.0] and out["own_buffer"], out
+
+
+def one_shot_mismatch(rank: int, world: int) -> dict:
+    """Ranks that pass different sizes or dtypes get an error naming the peer, then go on."""
+    from course_lib import dist
+
+    out = {}
+    for what, t in (("size", torch.ones(10 + (rank == 1))),
+                    ("dtype", torch.ones(10, dtype=torch.float64 if rank == 1 else torch.float32))):
+        try:
+            dist.all_reduce(t, algorithm="one_shot")
+            out[what] = None
+        except dist.DistError as exc:
+            out[what] = str(exc)
+    t = torch.full((5,), rank + 1.0)
+    dist.all_reduce(t)  # the ranks stopped at the same call: still in step
+    out["after"] = t.unique().tolist()
+    return out
+
+
+def test_mismatched_tensors_are_named_and_the_group_goes_on():
+    results = spawn(one_shot_mismatch, 3, backend="scratch", timeout=60)
+    for rank, out in enumerate(results):
+        assert out["after"] == [6.0], out
+        peer = 1 if rank != 1 else 2  # the first peer whose tensor differs, in reading order
+        assert f"rank {rank}: all_reduce(one_shot) from rank {peer} failed: tensor mismatch" \
+            in out["size"], out
+        n = 11 if rank != 1 else 10
+        assert f"rank {peer} passed {n} elements of torch.float32" in out["size"], out
+        want = "torch.float64" if rank != 1 else "torch.float32"
+        assert f"rank {peer} passed 10 elements of {want}" in out["dtype"], out
+
+
+def one_shot_without_shm(rank: int, world: int) -> dict:
+    from course_lib import dist
+
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    out = {"auto": last_algorithm(), "sum": t.unique().tolist()}
+    try:
+        dist.all_reduce(t, algorithm="one_shot")
+    except ValueError as exc:
+        out["one_shot"] = str(exc)
+    return out
+
+
+def test_one_shot_without_shared_memory_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("COURSE_DIST_SHM", "0")
+    for rank, out in enumerate(spawn(one_shot_without_shm, 2, backend="scratch", timeout=60)):
+        assert out["auto"] == "tree" and out["sum"] == [2.0], out
+        assert f"rank {rank}: all_reduce(one_shot) needs every rank of the group on this " \
+               "machine" in out["one_shot"], out
+
+
+def absent_one_shot_peer(rank: int, world: int, outdir: str, how: str) -> None:
+    """As absent_peer, through the staging buffer (made by a first call both ranks join)."""
+    import time
+
+    from course_lib import dist
+
+    g = dist.new_group([0, 1], timeout=3.0)
+    dist.all_reduce(torch.ones(4), group=g)
+    if rank == 1:
+        time.sleep(0.5)
+        if how == "dies":
+            os._exit(17)
+        time.sleep(7.5)
+        return
+    record_outcome(lambda: dist.all_reduce(torch.ones(1000), group=g), outdir, 0)
+    if how == "waits":  # the ranks are out of step now: later calls say so at once
+        record_outcome(lambda: dist.all_reduce(torch.ones(4), group=g), outdir, 10)
+
+
+@pytest.mark.parametrize("how", ["waits", "dies"])
+def test_a_missing_peer_of_a_staged_all_reduce_is_named(tmp_path, how):
+    if how == "dies":
+        with pytest.raises(SpawnError) as info:
+            spawn(absent_one_shot_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
+        assert set(info.value.failures) == {1}, info.value
+    else:
+        spawn(absent_one_shot_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert "rank 0: all_reduce(one_shot) from rank 1 failed" in result["error"], result
+    if how == "waits":
+        assert result["type"] == "DistTimeoutError" and "timed out after 3.0s" in result["error"]
+        assert result["elapsed"] < 8, result
+        later = json.loads((tmp_path / "rank10.json").read_text())
+        assert "an earlier all_reduce through the group's shared memory failed" in \
+            later["error"] and later["elapsed"] < 1, later
+    else:
+        assert result["elapsed"] < 3, result
+
+
+def staging_cannot_be_made(rank: int, world: int) -> list:
+    """Rank 1 cannot create its staging file: the first staged call sends messages instead, on
+    every rank, and later calls take the table's algorithm."""
+    from course_lib.dist import symmetric
+    from course_lib import dist
+
+    if rank == 1:
+        symmetric._create = lambda g, nbytes: (None, None)
+    out = []
+    for _ in range(2):
+        t = torch.full((100,), rank + 1.0)
+        dist.all_reduce(t)
+        out.append((last_algorithm(), t.unique().tolist()))
+    return out
+
+
+def test_when_the_staging_buffer_cannot_be_made_messages_carry_the_call():
+    for out in spawn(staging_cannot_be_made, 3, backend="scratch", timeout=60):
+        assert out == [("one_shot", [6.0]), ("tree", [6.0])], out

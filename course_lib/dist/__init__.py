@@ -9,7 +9,7 @@ rank on this machine) -> `work` (an operation in flight), `matching` (which rece
 fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
 travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
 and `collectives` (the API), `symmetric` (buffers every rank maps, read in place by
-all_reduce); beside them `flight`, each group's record of its collectives and
+all_reduce, and each group's staging buffer for small all_reduces); beside them `flight`, each group's record of its collectives and
 the diagnosis when one fails. In every file `op` is a `ReduceOp`, `name` an operation's name,
 `peer` a `Peer` and `peer_rank` the rank at its other end.
 """

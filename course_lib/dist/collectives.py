@@ -10,6 +10,7 @@ asynchronous collectives never mix their messages.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Callable, Sequence
@@ -22,7 +23,7 @@ from course_lib.dist.work import Work
 
 SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 AUTO_TREE_MAX_BYTES = 256 * 1024  # all_reduce "auto": recursive doubling up to here, ring above
-ALGORITHMS = ("auto", "naive", "ring", "tree", "rabenseifner", "shared")
+ALGORITHMS = ("auto", "naive", "ring", "tree", "rabenseifner", "shared", "one_shot")
 
 
 def _run(group: ProcessGroup | None, name: str, async_op: bool,
@@ -404,8 +405,18 @@ def _all_reduce_shared(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: i
     buf.all_reduce_(reducer(op), name)
 
 
+def _all_reduce_one_shot(g: ProcessGroup, flat: torch.Tensor, op: ReduceOp, tag: int,
+                         name: str, turn: int = 0) -> None:
+    """Through the group's staging buffer (lesson 10): each rank copies its tensor in, then adds
+    up every rank's copy; `turn` keeps the calls in call order, async or not. If the first
+    call cannot make the buffer, every rank sends messages instead."""
+    if not g.staging.all_reduce_(flat, reducer(op), name, turn, tag):
+        _all_reduce_tree(g, flat, op, tag, name)
+
+
 _ALL_REDUCE = {"ring": _all_reduce_ring, "tree": _all_reduce_tree, "naive": _all_reduce_naive,
-               "rabenseifner": _all_reduce_rabenseifner, "shared": _all_reduce_shared}
+               "rabenseifner": _all_reduce_rabenseifner, "shared": _all_reduce_shared,
+               "one_shot": _all_reduce_one_shot}
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -415,19 +426,25 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
 
     algorithm: "naive" (via rank 0), "ring" (bandwidth-optimal), "tree" (recursive doubling,
     latency-optimal), "rabenseifner" (halving then doubling: lg p rounds, ring's bytes),
-    "shared" (a buffer from `dist.shared_zeros`: peers' copies read in place, lesson 10), or
-    "auto": "shared" for such a buffer, else the group's table's choice for this size and world
-    size (`set_all_reduce_table`; by default tree up to AUTO_TREE_MAX_BYTES and ring above; on 2
-    ranks tree up to 1 MiB, Rabenseifner above).
+    "shared" (a buffer from `dist.shared_zeros`: peers' copies read in place, lesson 10),
+    "one_shot" (every rank on this machine: through the group's shared-memory staging buffer,
+    lesson 10), or "auto": "shared" for such a buffer, else the group's table's choice for this
+    size and world size (`set_all_reduce_table`). With no table: "one_shot" up to
+    ONE_SHOT_MAX_BYTES where the ranks share memory, then tree up to AUTO_TREE_MAX_BYTES and
+    ring above (on 2 ranks tree up to 1 MiB, Rabenseifner above).
     """
     op = check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     group = resolve(group, "all_reduce")
     if algorithm == "auto":
-        algorithm = ("shared" if symmetric.holds(group, tensor) is not None
-                     else table_choice(group.all_reduce_table, tensor.nbytes, group.size))
+        algorithm = _auto(group, tensor)
     impl, name = _ALL_REDUCE[algorithm], f"all_reduce({algorithm})"
+    if algorithm == "one_shot" and group.size > 1 and tensor.numel():  # its turn, in call order
+        if not symmetric.may_stage(group):
+            raise ValueError(f"rank {group.transport.rank}: {name} needs every rank of the group "
+                             "on this machine, with shared memory on (COURSE_DIST_SHM)")
+        impl = functools.partial(impl, turn=group.staging.take())
 
     def body(g: ProcessGroup, tag: int) -> None:
         if g.size == 1 or tensor.numel() == 0:
@@ -438,6 +455,16 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         _write_back(tensor, flat)
 
     return _run(group, "all_reduce", async_op, body, tensor, algorithm=algorithm)
+
+
+def _auto(group: ProcessGroup, tensor: torch.Tensor) -> str:
+    """What all_reduce(algorithm="auto") runs: the same on every rank given the same tensors."""
+    if symmetric.holds(group, tensor) is not None:
+        return "shared"
+    if (group.all_reduce_table is None and tensor.nbytes <= symmetric.ONE_SHOT_MAX_BYTES
+            and group.size > 1 and symmetric.may_stage(group)):
+        return "one_shot"
+    return table_choice(group.all_reduce_table, tensor.nbytes, group.size)
 
 
 def table_choice(table: dict | None, nbytes: int, world_size: int) -> str:

@@ -58,6 +58,7 @@ class ProcessGroup:
         self.detail = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check fingerprints every call
         self.all_reduce_table: dict | None = None  # all_reduce "auto"'s (set_all_reduce_table)
         self.shared: dict[int, Any] = {}  # symmetric buffers by data_ptr (dist.shared_zeros)
+        self.staging: Any = None  # symmetric.Staging once made; False: its ranks cannot share
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={self.ranks}, rank={self.rank})"

@@ -11,6 +11,12 @@ Each rank's file starts with three counters, a cache line each, that only it wri
 all_reduces of the buffer have their data ready, their chunk reduced, the others' chunks
 copied. A rank reads a peer's memory only once the peer's counter says so, and maps its
 peers' files read-only. Every wait has the group's deadline and watches the peer's link.
+
+A group whose ranks share this machine also gets a small symmetric buffer of its own, its
+`Staging`: all_reduce("auto") copies a small tensor into it and every rank adds up all the
+copies itself (one-shot, torch's one_shot_all_reduce_copy; MPICH's shared-memory collectives
+do the same). One copy and one wait replace lg p messages, each a frame, a doorbell and a
+wake-up on the other side.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Callable
 import torch
 
 from course_lib.dist import ring, shm
+from course_lib.dist.errors import DistError, DistTimeoutError
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.wire import DTYPE_CODE, PeerClosed
 from course_lib.i18n import _
@@ -34,6 +41,8 @@ HEADER_BYTES = 4096  # the counters; the data starts on a page of its own
 READY, REDUCED, COPIED = 0, 8, 16  # each counter's index, in 8-byte words: a cache line apart
 NAP_SECONDS = (20e-6, 250e-6)  # a waiting rank's first and longest sleep, once done polling
 INFO_BYTES = 64  # what each rank tells the others at allocation: see `_info`
+DESCRIBED = 24  # Staging: the word per half saying what it holds (numel, dtype), past COPIED's line
+ONE_SHOT_MAX_BYTES = 256 * 1024  # all_reduce "auto" stages up to here (2 ranks: links win at 1 MiB)
 
 
 class SharedBuffer:
@@ -63,17 +72,17 @@ class SharedBuffer:
         mine = self.data[me][lo:hi]
         self.mine[READY] = seq
         for q in self.others:
-            self._wait(q, READY, seq, name)
+            self.wait(q, READY, seq, name)
             combine(mine, self.data[q][lo:hi])
         self.mine[REDUCED] = seq
         for q in self.others:
-            self._wait(q, REDUCED, seq, name)
+            self.wait(q, REDUCED, seq, name)
             self.data[me][bounds[q]:bounds[q + 1]] = self.data[q][bounds[q]:bounds[q + 1]]
         self.mine[COPIED] = seq
         for q in self.others:  # nobody reads our buffer any more once we return
-            self._wait(q, COPIED, seq, name)
+            self.wait(q, COPIED, seq, name)
 
-    def _wait(self, q: int, counter: int, seq: int, name: str) -> None:
+    def wait(self, q: int, counter: int, seq: int, name: str) -> None:
         """Until group rank `q`'s `counter` reaches `seq`: poll, yielding the core, then sleep;
         past the group's timeout, or if `q`'s link closes, raise naming both ranks."""
         theirs = self.counters[q]
@@ -100,6 +109,137 @@ class SharedBuffer:
             nap = min(2 * nap, NAP_SECONDS[1])
 
 
+class Staging:
+    """A group's own symmetric buffer for small all_reduces: two halves of ONE_SHOT_MAX_BYTES,
+    used by turns. Each call copies this rank's tensor into its half, says so, and once every
+    peer has said so too, adds all the ranks' copies up itself in rank order (the same bits on
+    every rank). Half h is written again two calls later, and a peer that has announced the call
+    in between has finished reading it: one wait per call. The first call makes the buffer,
+    with messages under its own tag: no collective of the group's sequence is added."""
+
+    def __init__(self, g: ProcessGroup):
+        self.group = g
+        self.buf: SharedBuffer | None = None
+        self.bytes: list[torch.Tensor] = []  # per rank, its two halves
+        self.slots: dict[tuple, list[torch.Tensor]] = {}  # (half, numel, dtype): a view per rank
+        self.issued = self.done = 0  # calls taken in call order, and finished
+        self.unavailable = False  # the first call could not make the buffer, on every rank
+        self.failed: str | None = None
+
+    def take(self) -> int:
+        """This call's turn, taken when it is made (in the same order on every rank)."""
+        self.issued += 1
+        return self.issued
+
+    def all_reduce_(self, flat: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], None],
+                    name: str, turn: int, tag: int) -> bool:
+        """Reduce `flat` across the group in place, in pieces of a half each; False, on every
+        rank alike, if there is no buffer to do it with (the caller sends messages instead)."""
+        if self.done != turn - 1:
+            self._wait_turn(turn, name)
+        peer = None
+        try:
+            if self.failed is not None:
+                g = self.group
+                raise DistError(_(
+                    "rank {rank}: {name} failed: an earlier all_reduce through the group's "
+                    "shared memory failed ({reason}); make a new group", rank=g.transport.rank,
+                    name=name, reason=self.failed), rank=g.transport.rank, operation=name)
+            if self.buf is None and not self._allocate(tag, name):
+                return False
+            what = flat.numel() << 8 | DTYPE_CODE[flat.dtype]
+            step = ONE_SHOT_MAX_BYTES // flat.element_size()
+            if flat.numel() <= step:
+                peer = self._one_shot(flat, what, combine, name)
+            else:
+                for piece in flat.split(step):
+                    peer = self._one_shot(piece, what, combine, name)
+                    if peer is not None:
+                        break
+        except BaseException as exc:
+            self.failed = self.failed or str(exc)
+            raise
+        finally:
+            self.done = turn
+        if peer is not None:  # every rank saw a difference and stopped at the same call: in step
+            raise self._mismatch(peer, what, flat, name)
+        return True
+
+    def _allocate(self, tag: int, name: str) -> bool:
+        g = self.group
+        if not self.unavailable:
+            self.buf = allocate(g, 2 * ONE_SHOT_MAX_BYTES, torch.uint8, name,
+                                lambda t: _swap(g, t, tag, name))
+            self.unavailable = self.buf is None
+        if self.buf is None:
+            return False
+        self.bytes = [d.view(2, ONE_SHOT_MAX_BYTES) for d in self.buf.data]
+        return True
+
+    def _wait_turn(self, turn: int, name: str) -> None:
+        """Until this rank's earlier calls are done: an async one may still run on the group's
+        worker thread when a blocking one comes."""
+        g = self.group
+        deadline = time.monotonic() + g.timeout
+        while self.done < turn - 1:
+            if time.monotonic() >= deadline:
+                raise DistTimeoutError(_(
+                    "rank {rank}: {name} failed: timed out after {seconds}s waiting for this "
+                    "rank's earlier all_reduce on the group", rank=g.transport.rank, name=name,
+                    seconds=f"{g.timeout:.1f}"), rank=g.transport.rank, operation=name)
+            time.sleep(NAP_SECONDS[0])
+
+    def _one_shot(self, piece: torch.Tensor, what: int,
+                  combine: Callable[[torch.Tensor, torch.Tensor], None], name: str) -> int | None:
+        """One half's worth; returns the group rank of a peer whose tensor differs from ours.
+        Ranks add the copies up in rank order, the same bits everywhere: ranks 0 and 1 start
+        from their own, as a (op) b == b (op) a bit for bit."""
+        buf = self.buf
+        seq = buf.seq = buf.seq + 1
+        half = seq & 1
+        slots = self.slots.get((half, piece.numel(), piece.dtype))
+        if slots is None:
+            slots = self._views(half, piece.numel(), piece.dtype)
+        me = buf.group.rank
+        slots[me].copy_(piece)
+        buf.mine[DESCRIBED + half] = what
+        buf.mine[READY] = seq
+        for q in buf.others:
+            buf.wait(q, READY, seq, name)
+            if buf.counters[q][DESCRIBED + half] != what:
+                return q
+        if me > 1:
+            piece.copy_(slots[0])
+        combine(piece, slots[1 - me if me < 2 else 1])
+        for theirs in slots[2:]:
+            combine(piece, theirs)
+        return None
+
+    def _views(self, half: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        nbytes = numel * dtype.itemsize
+        views = [b[half, :nbytes].view(dtype) for b in self.bytes]
+        if len(self.slots) >= 64:  # a few shapes recur in a training loop; bound the rest
+            self.slots.clear()
+        self.slots[(half, numel, dtype)] = views
+        return views
+
+    def _mismatch(self, q: int, what: int, flat: torch.Tensor, name: str) -> DistError:
+        g, theirs = self.group, int(self.buf.counters[q][DESCRIBED + (self.buf.seq & 1)])
+        dtype = next((d for d, c in DTYPE_CODE.items() if c == theirs & 0xFF), None)
+        return g.transport.peer(g.ranks[q]).error(name, "from", _(
+            "tensor mismatch: rank {peer} passed {peer_numel} elements of {peer_dtype}, rank "
+            "{rank} {numel} of {dtype}", peer=g.ranks[q], peer_numel=theirs >> 8,
+            peer_dtype=dtype, rank=g.transport.rank, numel=flat.numel(), dtype=flat.dtype))
+
+
+def may_stage(g: ProcessGroup) -> bool:
+    """Whether all_reduce may go through `g`'s Staging: every rank on this machine, with shared
+    memory, and the buffer made (or not yet tried). The same answer on every rank."""
+    if g.staging is None:
+        g.staging = Staging(g) if _local(g) else False
+    return g.staging is not False and not g.staging.unavailable
+
+
 def split_bounds(n: int, parts: int) -> list[int]:
     """Where `tensor_split(parts)` of `n` elements starts each part, and the end: the first
     n % parts parts one element longer."""
@@ -122,8 +262,6 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
     in shared memory when all of them are on this machine (an ordinary tensor otherwise, on
     every rank alike); all_reduce(algorithm="auto") on it then reads the peers' copies in
     place. Collective: every rank must pass the same size and dtype."""
-    from course_lib.dist.collectives import all_gather  # collectives imports this module
-
     g = resolve(group, "shared_zeros")
     if isinstance(size, bool) or not hasattr(size, "__index__"):
         raise TypeError(f"shared_zeros: size is a number of elements (the buffer is 1-D), got "
@@ -132,38 +270,69 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
     if size < 0 or dtype not in DTYPE_CODE:
         raise ValueError(f"shared_zeros: needs a size >= 0 and a dtype of the wire's, got "
                          f"{size} and {dtype}")
-    nbytes = HEADER_BYTES + size * dtype.itemsize
-    name, own = _create(g, nbytes)
-    try:  # our file goes from /dev/shm on every path, once every peer has mapped it or given up
-        infos = [torch.empty(INFO_BYTES, dtype=torch.uint8) for _ in range(g.size)]
-        all_gather(infos, _info(name, size, dtype), group=g)
-        differ = [g.ranks[i] for i, info in enumerate(infos)
-                  if not torch.equal(info[1:16], infos[0][1:16])]
-        if differ:
-            raise ValueError(f"rank {g.transport.rank}: shared_zeros: ranks {differ} asked for a "
-                             f"size or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
-        maps = _map_all(g, infos, nbytes, own) if size and all(int(i[0]) for i in infos) else None
-        ok = torch.tensor([maps is not None], dtype=torch.uint8)
-        oks = [torch.empty_like(ok) for _ in range(g.size)]
-        all_gather(oks, ok, group=g)
-    finally:
-        if name is not None:
-            shm.unlink(name)
-    if maps is None or not all(int(o) for o in oks):
+    buf = allocate(g, size, dtype, "shared_zeros", lambda t: _all_gather(g, t))
+    if buf is None:
         return torch.zeros(size, dtype=dtype)
-    buf = SharedBuffer(g, maps, size, dtype)
     tensor = buf.data[g.rank].view(size)  # another object: when the caller drops it, we forget
     g.shared[tensor.data_ptr()] = buf
     weakref.finalize(tensor, g.shared.pop, tensor.data_ptr(), None)
     return tensor
 
 
+def _all_gather(g: ProcessGroup, t: torch.Tensor) -> list[torch.Tensor]:
+    from course_lib.dist.collectives import all_gather  # collectives imports this module
+
+    out = [torch.empty_like(t) for _ in range(g.size)]
+    all_gather(out, t, group=g)
+    return out
+
+
+def _swap(g: ProcessGroup, t: torch.Tensor, tag: int, name: str) -> list[torch.Tensor]:
+    """Every rank's `t`, by messages with the tag of the call that needs them."""
+    out = [t if q == g.rank else torch.empty_like(t) for q in range(g.size)]
+    sends = [g.isend(t, q, tag, name) for q in range(g.size) if q != g.rank]
+    for q in range(g.size):
+        if q != g.rank:
+            g.recv(out[q], q, tag, name)
+    for work in sends:
+        work.wait()
+    return out
+
+
+def allocate(g: ProcessGroup, size: int, dtype: torch.dtype, name: str,
+             gather: Callable[[torch.Tensor], list[torch.Tensor]]) -> SharedBuffer | None:
+    """A symmetric buffer of `size` elements on `g`, or None on every rank if any rank cannot
+    share (another host, shared memory off, no space); mismatched sizes raise. Collective:
+    `gather(t)` returns every rank's `t`, in group rank order."""
+    nbytes = HEADER_BYTES + size * dtype.itemsize
+    path, own = _create(g, nbytes)
+    try:  # our file goes from /dev/shm on every path, once every peer has mapped it or given up
+        infos = gather(_info(path, size, dtype))
+        differ = [g.ranks[i] for i, info in enumerate(infos)
+                  if not torch.equal(info[1:16], infos[0][1:16])]
+        if differ:
+            raise ValueError(f"rank {g.transport.rank}: {name}: ranks {differ} asked for a "
+                             f"size or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
+        maps = _map_all(g, infos, nbytes, own) if size and all(int(i[0]) for i in infos) else None
+        oks = gather(torch.tensor([maps is not None], dtype=torch.uint8))
+    finally:
+        if path is not None:
+            shm.unlink(path)
+    if maps is None or not all(int(o) for o in oks):
+        return None
+    return SharedBuffer(g, maps, size, dtype)
+
+
+def _local(g: ProcessGroup) -> bool:
+    """Whether sharing can work: shared memory on, and every peer of the group on this
+    machine (its link has a region). Links agree at both ends, so every rank agrees."""
+    return (g.size > 1 and shm.enabled() and ring.supported() and
+            all(g.transport.peer(r).kind() != "tcp" for r in g.ranks if r != g.transport.rank))
+
+
 def _create(g: ProcessGroup, nbytes: int) -> tuple[str | None, mmap.mmap | None]:
-    """Create and map this rank's file if sharing can work: shared memory on, and every peer
-    of the group on this machine (its link has a region); (None, None) otherwise."""
-    if not (g.size > 1 and shm.enabled() and ring.supported()):
-        return None, None
-    if any(g.transport.peer(r).kind() == "tcp" for r in g.ranks if r != g.transport.rank):
+    """Create and map this rank's file if sharing can work; (None, None) otherwise."""
+    if not _local(g):
         return None, None
     name = shm.new_name()
     try:
