@@ -37,7 +37,7 @@ def test_benchmark_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "ar.json", tmp_path / "ar.png"
     backends = "scratch,gloo" + (",mpi" if mpi.unavailable() is None else "")
     assert bench_cli.main(["allreduce", "--world", "2", "--backends", backends,
-                           "--sizes", "4KiB,64KiB", "--algorithms", "ring,tree,shared",
+                           "--sizes", "4KiB,64KiB", "--algorithms", "ring,tree,shared,one_shot",
                            "--repeats", "2", "--rounds", "1", "--warmup", "3",
                            "--timeout", "120",
                            "--json", str(out), "--plot", str(png)]) == 0
@@ -45,7 +45,7 @@ def test_benchmark_rows_json_and_plot(tmp_path):
     got = {(r["backend"], r["algorithm"], r["bytes"]) for r in rows}
     want = {(b, a, n) for n in (4096, 65536)
             for b, a in [("scratch", "ring"), ("scratch", "tree"), ("scratch", "shared"),
-                         ("gloo", "default")]
+                         ("scratch", "one_shot"), ("gloo", "default")]
             + ([("mpi", "default")] if "mpi" in backends else [])}
     assert got == want
     for r in rows:

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of byte sizes (4KiB, 1MiB, 16MiB; KB/MB: powers of 10)")
     parser.add_argument("--algorithms", default="ring",
                         help="scratch algorithms, comma list of ring, tree, naive, rabenseifner, "
-                             "auto, shared (a buffer from dist.shared_zeros, read in place)")
+                             "one_shot (through the group's staging buffer), auto, shared (a "
+                             "buffer from dist.shared_zeros, read in place)")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
     parser.add_argument("--warmup", type=int, default=WARMUP,
                         help=f"untimed repeats per size and process set (default {WARMUP})")
