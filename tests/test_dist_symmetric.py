@@ -326,7 +326,8 @@ def test_staged_calls_keep_call_order_async_or_not():
 
 
 def one_shot_mismatch(rank: int, world: int) -> dict:
-    """Ranks that pass different sizes or dtypes get an error naming the peer, then go on."""
+    """Ranks that pass different sizes or dtypes get an error naming the peer, a dtype the wire
+    has no number for a TypeError, and the group goes on."""
     from course_lib import dist
 
     out = {}
@@ -337,6 +338,11 @@ def one_shot_mismatch(rank: int, world: int) -> dict:
             out[what] = None
         except dist.DistError as exc:
             out[what] = str(exc)
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.uint16), algorithm="one_shot")
+        out["uint16"] = None
+    except TypeError as exc:
+        out["uint16"] = str(exc)
     t = torch.full((5,), rank + 1.0)
     dist.all_reduce(t)  # the ranks stopped at the same call: still in step
     out["after"] = t.unique().tolist()
@@ -354,6 +360,8 @@ def test_mismatched_tensors_are_named_and_the_group_goes_on():
         assert f"rank {peer} passed {n} elements of torch.float32" in out["size"], out
         want = "torch.float64" if rank != 1 else "torch.float32"
         assert f"rank {peer} passed 10 elements of {want}" in out["dtype"], out
+        assert f"rank {rank}: all_reduce(one_shot): dtype torch.uint16 has no number on the " \
+               "wire" in out["uint16"], out
 
 
 def one_shot_without_shm(rank: int, world: int) -> dict:

@@ -137,6 +137,12 @@ class Staging:
         rank alike, if there is no buffer to do it with (the caller sends messages instead)."""
         if self.done != turn - 1:
             self._wait_turn(turn, name)
+        code = DTYPE_CODE.get(flat.dtype)
+        if code is None:  # before any communication: every rank raises, still in step
+            self.done = turn
+            raise TypeError(f"rank {self.group.transport.rank}: {name}: dtype {flat.dtype} has no "
+                            f"number on the wire; supported: {list(DTYPE_CODE)}")
+        what = flat.numel() << 8 | code
         peer = None
         try:
             if self.failed is not None:
@@ -147,7 +153,6 @@ class Staging:
                     name=name, reason=self.failed), rank=g.transport.rank, operation=name)
             if self.buf is None and not self._allocate(tag, name):
                 return False
-            what = flat.numel() << 8 | DTYPE_CODE[flat.dtype]
             step = ONE_SHOT_MAX_BYTES // flat.element_size()
             if flat.numel() <= step:
                 peer = self._one_shot(flat, what, combine, name)
