@@ -28,6 +28,15 @@ def last_algorithm() -> str | None:
     return dist.flight_record()["groups"]["0"]["entries"][-1]["algorithm"]
 
 
+def ranks_agree(t: torch.Tensor, world: int) -> bool:
+    """Whether every rank holds the same bits as this one's `t`."""
+    from course_lib import dist
+
+    theirs = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(theirs, t.clone())
+    return all(torch.equal(x, t) for x in theirs)
+
+
 def check_parity(rank: int, world: int) -> list[str]:
     from course_lib import dist
     from course_lib.dist import ReduceOp
@@ -47,10 +56,7 @@ def check_parity(rank: int, world: int) -> list[str]:
                 if not same(buf, reference(inputs, op)):
                     failures.append(f"{dtype} {n} {op}: wrong result")
                 # every rank holds the same bits: each chunk was reduced once, then copied
-                mine = buf.clone()
-                theirs = [torch.empty_like(mine) for _ in range(world)]
-                dist.all_gather(theirs, mine)
-                if not all(torch.equal(t, mine) for t in theirs):
+                if not ranks_agree(buf, world):
                     failures.append(f"{dtype} {n} {op}: ranks differ")
     # async, as DDP calls it, on two buffers in flight at once
     a, b = dist.shared_zeros(5000), dist.shared_zeros(7)
@@ -68,12 +74,6 @@ def check_parity(rank: int, world: int) -> list[str]:
     if last_algorithm() == "shared" or not torch.all(part == world):
         failures.append("a slice of a shared buffer went the shared way, or summed wrong")
     return failures
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_shared_all_reduce_equals_single_process(world):
-    results = spawn(check_parity, world, backend="scratch", timeout=240)
-    assert results == [[]] * world, results
 
 
 def check_sub_group_and_files(rank: int, world: int) -> dict:
@@ -172,14 +172,20 @@ def test_when_one_rank_cannot_share_every_rank_gets_an_ordinary_tensor():
         assert out == [(False, [6.0]), (False, [6.0])], out
 
 
-def absent_peer(rank: int, world: int, outdir: str, how: str) -> None:
-    """Rank 1 never joins the all_reduce: it waits, or dies; rank 0 must raise, naming it."""
+def absent_peer(rank: int, world: int, outdir: str, how: str, path: str) -> None:
+    """Rank 1 never joins the all_reduce: it waits, or dies; rank 0 must raise, naming it.
+    `path`: a shared buffer's all_reduce, or a staged one (after a first call both join,
+    which makes the staging buffer)."""
     import time
 
     from course_lib import dist
 
     g = dist.new_group([0, 1], timeout=3.0)
-    buf = dist.shared_zeros(1000, group=g)
+    if path == "shared":
+        buf = dist.shared_zeros(1000, group=g)
+    else:
+        dist.all_reduce(torch.ones(4), group=g)
+        buf = torch.ones(1000)
     if rank == 1:
         time.sleep(0.5)  # rank 0 is waiting in the all_reduce by now
         if how == "dies":
@@ -187,24 +193,31 @@ def absent_peer(rank: int, world: int, outdir: str, how: str) -> None:
         time.sleep(7.5)
         return
     record_outcome(lambda: dist.all_reduce(buf, group=g), outdir, 0)
+    if path == "one_shot" and how == "waits":  # out of step now: later calls say so at once
+        record_outcome(lambda: dist.all_reduce(torch.ones(4), group=g), outdir, 10)
 
 
+@pytest.mark.parametrize("path", ["shared", "one_shot"])
 @pytest.mark.parametrize("how", ["waits", "dies"])
-def test_a_missing_peer_is_named_not_waited_for_forever(tmp_path, how):
+def test_a_missing_peer_is_named_not_waited_for_forever(tmp_path, how, path):
     if how == "dies":
         with pytest.raises(SpawnError) as info:
-            spawn(absent_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
+            spawn(absent_peer, 2, str(tmp_path), how, path, backend="scratch", timeout=60)
         assert set(info.value.failures) == {1}, info.value
     else:
-        spawn(absent_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
+        spawn(absent_peer, 2, str(tmp_path), how, path, backend="scratch", timeout=60)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] is not None, result
-    assert "rank 0: all_reduce(shared) from rank 1 failed" in result["error"], result
+    assert f"rank 0: all_reduce({path}) from rank 1 failed" in result["error"], result
     if how == "waits":
         assert result["type"] == "DistTimeoutError" and "timed out after 3.0s" in result["error"]
         assert result["elapsed"] < 8, result
     else:
         assert result["elapsed"] < 3, result  # the closed link is noticed before the timeout
+    if path == "one_shot" and how == "waits":
+        later = json.loads((tmp_path / "rank10.json").read_text())
+        assert "an earlier all_reduce through the group's shared memory failed" in \
+            later["error"] and later["elapsed"] < 1, later
 
 
 def ddp_buckets(rank: int, world: int) -> dict:
@@ -271,9 +284,7 @@ def check_one_shot(rank: int, world: int) -> list[str]:
                         failures.append(f"{dtype} {n}: auto took {last_algorithm()}")
                     if not same(t, reference(inputs, op)):
                         failures.append(f"{algorithm} {dtype} {n} {name}: wrong result")
-                    theirs = [torch.empty_like(t) for _ in range(world)]
-                    dist.all_gather(theirs, t)
-                    if algorithm == "one_shot" and not all(torch.equal(x, t) for x in theirs):
+                    if algorithm == "one_shot" and not ranks_agree(t, world):
                         failures.append(f"{dtype} {n} {name}: ranks differ")
     grid = torch.arange(12.0).view(3, 4).t() * (rank + 1)  # not contiguous, 2-D
     dist.all_reduce(grid, algorithm="one_shot")
@@ -288,8 +299,9 @@ def check_one_shot(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_one_shot_all_reduce_equals_single_process(world):
-    results = spawn(check_one_shot, world, backend="scratch", timeout=300)
+@pytest.mark.parametrize("check", [check_parity, check_one_shot], ids=["shared", "one_shot"])
+def test_all_reduce_through_shared_memory_equals_single_process(check, world):
+    results = spawn(check, world, backend="scratch", timeout=300)
     assert results == [[]] * world, results
 
 
@@ -383,45 +395,6 @@ def test_one_shot_without_shared_memory_is_a_clear_error(monkeypatch):
         assert out["auto"] == "tree" and out["sum"] == [2.0], out
         assert f"rank {rank}: all_reduce(one_shot) needs every rank of the group on this " \
                "machine" in out["one_shot"], out
-
-
-def absent_one_shot_peer(rank: int, world: int, outdir: str, how: str) -> None:
-    """As absent_peer, through the staging buffer (made by a first call both ranks join)."""
-    import time
-
-    from course_lib import dist
-
-    g = dist.new_group([0, 1], timeout=3.0)
-    dist.all_reduce(torch.ones(4), group=g)
-    if rank == 1:
-        time.sleep(0.5)
-        if how == "dies":
-            os._exit(17)
-        time.sleep(7.5)
-        return
-    record_outcome(lambda: dist.all_reduce(torch.ones(1000), group=g), outdir, 0)
-    if how == "waits":  # the ranks are out of step now: later calls say so at once
-        record_outcome(lambda: dist.all_reduce(torch.ones(4), group=g), outdir, 10)
-
-
-@pytest.mark.parametrize("how", ["waits", "dies"])
-def test_a_missing_peer_of_a_staged_all_reduce_is_named(tmp_path, how):
-    if how == "dies":
-        with pytest.raises(SpawnError) as info:
-            spawn(absent_one_shot_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
-        assert set(info.value.failures) == {1}, info.value
-    else:
-        spawn(absent_one_shot_peer, 2, str(tmp_path), how, backend="scratch", timeout=60)
-    result = json.loads((tmp_path / "rank0.json").read_text())
-    assert "rank 0: all_reduce(one_shot) from rank 1 failed" in result["error"], result
-    if how == "waits":
-        assert result["type"] == "DistTimeoutError" and "timed out after 3.0s" in result["error"]
-        assert result["elapsed"] < 8, result
-        later = json.loads((tmp_path / "rank10.json").read_text())
-        assert "an earlier all_reduce through the group's shared memory failed" in \
-            later["error"] and later["elapsed"] < 1, later
-    else:
-        assert result["elapsed"] < 3, result
 
 
 def staging_cannot_be_made(rank: int, world: int) -> list:
