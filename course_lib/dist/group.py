@@ -129,6 +129,18 @@ class ProcessGroup:
         self.recv(into, frm, tag, name, combine)
         work.wait()
 
+    def exchange(self, tensor: torch.Tensor, tag: int, name: str) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape and dtype), in group rank order: one message to
+        and from each peer under `tag`, outside the group's sequence of collectives."""
+        out = [tensor if q == self.rank else torch.empty_like(tensor) for q in range(self.size)]
+        sends = [self.isend(tensor, q, tag, name) for q in range(self.size) if q != self.rank]
+        for q in range(self.size):
+            if q != self.rank:
+                self.recv(out[q], q, tag, name)
+        for work in sends:
+            work.wait()
+        return out
+
     def irecv(self, tensor: torch.Tensor, frm: int, tag: int, name: str) -> RecvRequest:
         return self.peer(frm, name).irecv(tensor, tag, name, self.deadline())
 
@@ -173,16 +185,11 @@ class Collective:
     def _check_fingerprints(self) -> None:
         """Trade fingerprints with every rank of the group; a mismatch fails here, naming both
         ranks and both calls (torch's DETAIL mode), instead of hanging or mixing data later."""
-        g, mine = self.group, flight.fingerprint(self.entry)
-        tag = self.tag - FINGERPRINT_TAGS
-        others = [r for r in range(g.size) if r != g.rank]
-        sends = [g.isend(mine, r, tag, self.name) for r in others]
-        theirs = {r: torch.empty_like(mine) for r in others}
-        for r in others:
-            g.recv(theirs[r], r, tag, self.name)
-        for work in sends:
-            work.wait()
-        for r in others:
+        g = self.group
+        theirs = g.exchange(flight.fingerprint(self.entry), self.tag - FINGERPRINT_TAGS, self.name)
+        for r in range(g.size):
+            if r == g.rank:
+                continue
             other = flight.from_fingerprint(theirs[r])
             if not flight.same_call(other, self.entry):
                 me, peer = g.transport.rank, g.ranks[r]

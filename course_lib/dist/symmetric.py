@@ -174,7 +174,7 @@ class Staging:
         g = self.group
         if not self.unavailable:
             self.buf = allocate(g, 2 * ONE_SHOT_MAX_BYTES, torch.uint8, name,
-                                lambda t: _swap(g, t, tag, name))
+                                lambda t: g.exchange(t, tag, name))
             self.unavailable = self.buf is None
         if self.buf is None:
             return False
@@ -289,18 +289,6 @@ def _all_gather(g: ProcessGroup, t: torch.Tensor) -> list[torch.Tensor]:
 
     out = [torch.empty_like(t) for _ in range(g.size)]
     all_gather(out, t, group=g)
-    return out
-
-
-def _swap(g: ProcessGroup, t: torch.Tensor, tag: int, name: str) -> list[torch.Tensor]:
-    """Every rank's `t`, by messages with the tag of the call that needs them."""
-    out = [t if q == g.rank else torch.empty_like(t) for q in range(g.size)]
-    sends = [g.isend(t, q, tag, name) for q in range(g.size) if q != g.rank]
-    for q in range(g.size):
-        if q != g.rank:
-            g.recv(out[q], q, tag, name)
-    for work in sends:
-        work.wait()
     return out
 
 
