@@ -3,22 +3,27 @@
     python -m course_lib.bench allreduce --world 2 --backends scratch,gloo,mpi \
         --sizes 4KiB,1MiB,16MiB --algorithms ring,tree --repeats 20 --json out.json --plot out.png
 
-Each backend runs in its own fresh set of processes, once per round, and rounds alternate the
-order of backends and sizes. Each size starts with `--warmup` untimed repeats (default WARMUP):
-what is timed is the steady state a training loop sees, thousands of calls in, not a fresh
-process's first calls (a size's first calls after another size run on cold caches, and the
-interpreter specializes Python code over its first hundred or so calls: in a fresh pair of
-ranks our 4 KiB all_reduce took about 23 us over calls 10-50 and 19.5 over calls 100-200, and
-MPICH's gains too). Per repeat, a barrier lines the ranks up and the operation's time
-is the slowest rank's; a row reports the median over repeats. Every result is checked against
-the exact sum outside the timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p,
-in GB/s (nccl-tests' definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's
-buffer call `comm.Allreduce(MPI.IN_PLACE, array)`.
+Each round starts a fresh set of processes per backend, all at once, and the sets take turns
+(`interleave`): one message size at a time, every backend runs `--block` timed repeats before
+the next size, in an order that rotates. A slow spell of a shared machine (memory-bound work
+here slows up to 3x for seconds) then falls on every backend alike, instead of on whichever
+set ran in it. Each size first gets `--warmup` untimed repeats (default WARMUP), and each turn
+REWARM more: what is timed is the steady state a training loop sees, thousands of calls in,
+not a fresh process's first calls (the interpreter specializes Python code over its first
+hundred or so calls: in a fresh pair of ranks our 4 KiB all_reduce took about 23 us over calls
+10-50 and 19.5 over calls 100-200, and MPICH's gains too), nor a set's first calls after
+sleeping through the others' turns (19 us at 4 KiB after 2 untimed calls, 12 us after 10).
+Per repeat, a barrier lines the ranks up and the operation's time is the slowest rank's; a row
+reports the median over repeats. Every result is checked against the exact sum outside the
+timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p, in GB/s (nccl-tests'
+definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's buffer call
+`comm.Allreduce(MPI.IN_PLACE, array)`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -27,6 +32,7 @@ import sys
 import time
 
 from course_lib import mpi
+from course_lib.bench import interleave
 from course_lib.bench.common import median, slowest_rank
 
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
@@ -66,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"untimed repeats per size and process set (default {WARMUP})")
     parser.add_argument("--rounds", type=int, default=2,
                         help="fresh process sets per backend; repeats are spread over them")
+    parser.add_argument("--block", type=int, default=2,
+                        help="timed repeats per turn: the backends' process sets take turns "
+                             "row by row, a few repeats at a time (default 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process set")
     parser.add_argument("--bind", choices=("core", "none"), default="core",
                         help="core: pin each rank of every backend to its own core when there "
@@ -99,23 +108,33 @@ def bind_to_core(rank: int, world: int) -> None:
 
 
 def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
-            repeats: int, bind: str = "none", warmup: int = WARMUP) -> dict[str, list[float]]:
-    """Per (bytes, algorithm) in `plan`, this rank's time of each repeat; checks each result."""
+            repeats: int, bind: str = "none", warmup: int = WARMUP,
+            conductor: str | None = None, timeout: float = 300.0) -> dict[str, list[float]]:
+    """Per (bytes, algorithm) in `plan`, this rank's time of each timed repeat; checks each
+    result. Alone, each row gets `warmup` untimed repeats, then `repeats` timed; with a
+    `conductor` (an `interleave` address), rows run in the turns it hands out."""
     import torch
 
     if bind == "core":
         bind_to_core(rank, world)
-    times: dict[str, list[float]] = {}
-    expected = float(world * (world + 1) // 2)  # every rank contributes rank + 1: exact in fp32
+    cases = []
     for nbytes, algorithm in plan:
-        barrier, all_reduce = _backend_ops(backend, algorithm)
         if algorithm == "shared":  # every rank allocates it in the same call: plans are equal
             from course_lib import dist
             buf = dist.shared_zeros(nbytes // DTYPE_BYTES)
         else:
             buf = torch.empty(nbytes // DTYPE_BYTES, dtype=torch.float32)
-        row = times.setdefault(f"{nbytes}/{algorithm}", [])
-        for i in range(warmup + repeats):
+        cases.append((_backend_ops(backend, algorithm), buf))
+    times: dict[str, list[float]] = {f"{n}/{a}": [] for n, a in plan}
+    expected = float(world * (world + 1) // 2)  # every rank contributes rank + 1: exact in fp32
+    if conductor is None:
+        rows = [(i, warmup, repeats) for i in range(len(plan))]
+    else:
+        rows = interleave.turns(conductor, backend, rank, timeout)
+    for i, untimed, timed in rows:
+        (barrier, all_reduce), buf = cases[i]
+        nbytes, algorithm = plan[i]
+        for k in range(untimed + timed):
             buf.fill_(rank + 1)
             barrier()
             t0 = time.perf_counter()
@@ -125,8 +144,8 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
                 raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_reduce of "
                                      f"{nbytes} B gave {buf.min()}..{buf.max()}, "
                                      f"expected {expected}")
-            if i >= warmup:
-                row.append(elapsed)
+            if k >= untimed:
+                times[f"{nbytes}/{algorithm}"].append(elapsed)
     return times
 
 
@@ -138,8 +157,8 @@ def _mpi_worker(spec: str) -> None:
     torch.set_num_threads(1)
     cfg = json.loads(spec)
     comm = MPI.COMM_WORLD
-    times = measure(comm.Get_rank(), comm.Get_size(), "mpi",
-                    [tuple(p) for p in cfg["plan"]], cfg["repeats"], cfg["bind"], cfg["warmup"])
+    times = measure(comm.Get_rank(), comm.Get_size(), "mpi", [tuple(p) for p in cfg["plan"]],
+                    cfg["repeats"], cfg["bind"], cfg["warmup"], cfg["conductor"], cfg["timeout"])
     slowest = {}
     for key, values in times.items():  # the slowest rank per repeat, as numbers (no pickles)
         buf = torch.tensor(values, dtype=torch.float64).numpy()
@@ -152,8 +171,10 @@ def _mpi_worker(spec: str) -> None:
 # --- the driver -----------------------------------------------------------------------------
 
 def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
-             env: dict | None = None, warmup: int = WARMUP) -> list[dict]:
-    spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind, "warmup": warmup})
+             env: dict | None = None, warmup: int = WARMUP,
+             conductor: str | None = None) -> list[dict]:
+    spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind, "warmup": warmup,
+                       "conductor": conductor, "timeout": timeout})
     out = mpi.launch(world, ["-m", "course_lib.bench.allreduce", "--mpi-worker", spec], timeout,
                      env)
     lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
@@ -162,14 +183,15 @@ def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
     return json.loads(lines[-1][len("BENCH_JSON "):])
 
 
-def _run_set(backend: str, world: int, plan: list, repeats: int, timeout: float,
-             bind: str, warmup: int) -> list[dict]:
-    """One fresh set of `world` processes for `backend`; per-rank {key: times}."""
+def _run_set(backend: str, world: int, plan: list, timeout: float, bind: str,
+             conductor: str) -> list[dict]:
+    """One fresh set of `world` processes for `backend`, running the conductor's turns;
+    per-rank {key: times}."""
     if backend == "mpi":
-        return _run_mpi(world, plan, repeats, timeout, bind, warmup=warmup)
+        return _run_mpi(world, plan, 0, timeout, bind, warmup=0, conductor=conductor)
     from course_lib.spawn import spawn
-    return spawn(measure, world, backend, plan, repeats, bind, warmup, backend=backend,
-                 timeout=timeout)
+    return spawn(measure, world, backend, plan, 0, bind, 0, conductor, timeout,
+                 backend=backend, timeout=timeout)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -182,22 +204,24 @@ def run(args: argparse.Namespace) -> list[dict]:
     if "mpi" in backends and (why := mpi.unavailable()):
         print(f"note: skipping mpi: {why}", file=sys.stderr)
         backends.remove("mpi")
+    if args.block < 1:
+        raise SystemExit(f"--block must be at least 1, got {args.block}")
     rounds = max(1, args.rounds)
     per_round = math.ceil(args.repeats / rounds)
     collected: dict[tuple[str, str, int], list[float]] = {}
     for rnd in range(rounds):
-        order = backends[rnd % len(backends):] + backends[:rnd % len(backends)]
-        for backend in order:
-            algs = algorithms if backend == "scratch" else ["default"]
-            plan = [(n, a) for n in sizes for a in algs]
-            if rnd % 2:
-                plan.reverse()
-            per_rank = _run_set(backend, args.world, plan, per_round, args.timeout, args.bind,
-                                args.warmup)
-            for n, a in plan:
-                key = f"{n}/{a}"
-                collected.setdefault((backend, a, n), []).extend(
-                    slowest_rank([r[key] for r in per_rank]))
+        plans = {b: [(n, a) for n in sizes for a in (algorithms if b == "scratch"
+                                                      else ["default"])] for b in backends}
+        turns = interleave.schedule({b: [n for n, _ in plan] for b, plan in plans.items()},
+                                    args.warmup, per_round, args.block, start=rnd)
+        launchers = {b: functools.partial(_run_set, b, args.world, plans[b], args.timeout,
+                                          args.bind) for b in backends}
+        results = interleave.conduct(launchers, {b: args.world for b in backends}, turns,
+                                     args.timeout)
+        for b, per_rank in results.items():
+            for n, a in plans[b]:
+                collected.setdefault((b, a, n), []).extend(
+                    slowest_rank([r[f"{n}/{a}"] for r in per_rank]))
     rows = []
     bus = 2 * (args.world - 1) / args.world
     for (backend, algorithm, n), secs in sorted(collected.items(),
