@@ -54,7 +54,11 @@ class CountingDist:
         self.payload: Counter = Counter()  # bytes of the full tensor each collective is about
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.dist, name)
+        attr = getattr(self.dist, name)
+        if name == "shared_zeros":  # a collective allocation: on this wrapper's group too
+            return lambda *args, group=None, **kwargs: attr(*args, group=self._group(group),
+                                                            **kwargs)
+        return attr
 
     def reset(self) -> None:
         self.calls.clear()

@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from course_lib import dist as scratch
 from course_lib.backend import default_dist, global_rank
 
 MiB = 1024 * 1024
@@ -259,10 +258,10 @@ class DistributedDataParallel(nn.Module):
         check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
                            group=group, extra=(len(grouped), sum(
                                (i + 1) * sum(p.numel() for p in b) for i, b in enumerate(grouped))))
-        # Our own dist can put the buckets where every rank maps them (lesson 10): all_reduce
-        # then reads the peers' buckets in place. Any other dist gets ordinary tensors.
-        zeros = (functools.partial(scratch.shared_zeros, group=group) if self.dist is scratch
-                 else torch.zeros)
+        # A dist that can put the buckets where every rank maps them (ours, lesson 10) does:
+        # all_reduce then reads the peers' buckets in place. Others give ordinary tensors.
+        shared_zeros = getattr(self.dist, "shared_zeros", None)
+        zeros = functools.partial(shared_zeros, group=group) if shared_zeros else torch.zeros
         self.buckets = [_Bucket(b, find_unused_parameters, zeros) for b in grouped]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}

@@ -343,3 +343,54 @@ def test_no_sync_skips_communication_and_bad_models_fail_clearly():
         DistributedDataParallel(frozen, dist=rec)
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         DistributedDataParallel(lambda x: x, dist=rec)
+
+
+def where_buckets_live_worker(rank: int, world: int) -> dict:
+    """DDP on the world, then through a CountingDist bound to the sub-group of ranks
+    0..world-2, as the graders run learners' code (the last rank sits out): where its buckets
+    live, what it sends, and the parameters after training."""
+    from course_lib import ddp as ours
+    from course_lib import dist
+    from course_lib.counting import CountingDist
+    from course_lib.dist import symmetric
+    from course_lib.dist.group import resolve
+
+    out = {}
+    model = make_model("mlp", seed=rank)
+    wrapped = ours.DistributedDataParallel(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+    out["world shared"] = [symmetric.holds(resolve(None, "test"), b.flat) is not None
+                           for b in wrapped.buckets]
+    train(wrapped, make_optimizer("sgd", wrapped), rank, world, B)
+    out["world state"] = flat_state(model)
+    sub = dist.new_group(list(range(world - 1)))
+    if rank == world - 1:
+        return portable(out)
+    counting = CountingDist(dist, sub)  # group=None in every call now means `sub`
+    model = make_model("mlp", seed=rank)
+    wrapped = ours.DistributedDataParallel(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                                           dist=counting)
+    out["sub shared"] = [symmetric.holds(sub, b.flat) is not None for b in wrapped.buckets]
+    counting.reset()
+    train(wrapped, make_optimizer("sgd", wrapped), rank, world - 1, B)
+    out["sub calls"] = (dict(counting.calls), len(wrapped.buckets))
+    out["sub state"] = flat_state(model)
+    return portable(out)
+
+
+def test_ddp_asks_its_dist_for_shared_buckets_on_its_own_group():
+    """On our dist every bucket lives in shared memory (all_reduce reads it in place), also
+    through a CountingDist bound to a sub-group, which must allocate on that group: allocating
+    on the world there would wait for the rank that sits out. Results still equal one process."""
+    world = 3
+    results = spawn(where_buckets_live_worker, world, backend="scratch", timeout=30)
+    for rank, res in enumerate(results):
+        assert len(res["world shared"]) > 1 and all(res["world shared"]), rank
+        torch.testing.assert_close(as_tensor(res["world state"]),
+                                   reference("mlp", "sgd", world, B), **TOL)
+        if rank == world - 1:
+            continue
+        assert len(res["sub shared"]) > 1 and all(res["sub shared"]), rank
+        calls, buckets = res["sub calls"]
+        assert calls == {"all_reduce": STEPS * buckets}, calls
+        torch.testing.assert_close(as_tensor(res["sub state"]),
+                                   reference("mlp", "sgd", world - 1, B), **TOL)
