@@ -164,3 +164,28 @@ def test_a_set_that_never_connects_is_named():
     with pytest.raises(TurnError, match=r"gloo rank 0, gloo rank 1 did not connect within 1s"):
         interleave.conduct(launchers, names, schedule({"scratch": [1], "gloo": [1]}, 1, 1, 1),
                            timeout=1)
+
+
+def test_a_rank_that_leaves_between_turns_is_named_and_the_others_stop():
+    """A rank that reports its first turn done and goes away without being told to stop: the
+    driver names it on its next turn, whether the send or the wait for "done" notices first."""
+    import socket
+
+    def leaves_after_one_turn(address: str):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(10)
+            conn.connect(address)
+            conn.sendall(b"gloo 0\n")
+            with conn.makefile("rb") as reader:
+                assert reader.readline().startswith(b"run ")
+                conn.sendall(b"done\n")
+        return "left"
+
+    names = {"scratch": 2, "gloo": 1}
+    turns = schedule({"scratch": [1], "gloo": [1]}, warmup=1, timed=3, block=1)
+    started = []
+    launchers = fake_sets({"scratch": 2}, [], threading.Lock(), started=started) | {
+        "gloo": leaves_after_one_turn}
+    with pytest.raises(TurnError, match=r"gloo rank 0 ended (before|in) its turn on row 0"):
+        interleave.conduct(launchers, names, turns, timeout=10)
+    assert len(started) == 2 and not any(t.is_alive() for t in started)

@@ -82,16 +82,25 @@ class _Sets:
         """Give `name` one turn and wait until each of its ranks reports it done."""
         ranks = range(self.sizes[name])
         for r in ranks:
-            self.links[(name, r)][0].sendall(f"run {row} {untimed} {timed}\n".encode())
+            self._send(name, r, f"run {row} {untimed} {timed}\n", row)
         for r in ranks:
             try:
                 line = self.links[(name, r)][1].readline()
             except socket.timeout:
                 line = b"timeout"
+            except ConnectionError:
+                line = b""
             if line != b"done\n":
                 what = "timed out" if line == b"timeout" else "ended"
                 raise TurnError(f"bench: {name} rank {r} {what} in its turn on row {row} "
                                 f"(waited up to {self.timeout:g}s)")
+
+    def _send(self, name: str, rank: int, line: str, row: int) -> None:
+        try:
+            self.links[(name, rank)][0].sendall(line.encode("ascii"))
+        except OSError:
+            raise TurnError(f"bench: {name} rank {rank} ended before its turn on row "
+                            f"{row}") from None
 
     def close(self) -> None:
         for conn, reader in self.links.values():
@@ -122,20 +131,21 @@ def conduct(launchers: dict[str, Callable[[str], object]], sizes: dict[str, int]
     threads = [threading.Thread(target=launch, args=(n,), daemon=True) for n in launchers]
     for t in threads:
         t.start()
+    failure = None
     try:
         sets.accept_all(lambda: next((f"bench: {n} failed to start: {e}"
                                       for n, e in errors.items()), None))
         for turn in turns:
             sets.turn(*turn)
     except TurnError as exc:
+        failure = exc
+    finally:  # on every path: stopped sets return; a stuck one ends by its own deadline
         sets.close()
-        for t in threads:  # each set's own bounded wait (spawn, mpiexec) ends its processes
+        for t in threads:
             t.join()
+    if failure is not None:
         detail = "; ".join(f"{n}: {e}" for n, e in errors.items())
-        raise TurnError(f"{exc}" + (f" ({detail})" if detail else "")) from None
-    sets.close()
-    for t in threads:
-        t.join()
+        raise TurnError(f"{failure}" + (f" ({detail})" if detail else "")) from None
     if errors:
         name, exc = next(iter(errors.items()))
         raise TurnError(f"bench: {name} failed: {exc}") from exc
