@@ -75,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=2,
                         help="timed repeats per turn: the backends' process sets take turns "
                              "row by row, a few repeats at a time (default 2)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process set")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a round may take (every backend's process set lives "
+                             "through its round), and the most one turn may take")
     parser.add_argument("--bind", choices=("core", "none"), default="core",
                         help="core: pin each rank of every backend to its own core when there "
                              "are enough (as MPI launchers do); none: let the OS place them")
