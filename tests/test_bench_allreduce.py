@@ -24,13 +24,32 @@ def test_parse_size():
             allreduce.parse_size(bad)
 
 
-@pytest.mark.parametrize("sizes", ["4K", "4KiB,3B", "lots"])
-def test_a_bad_size_is_a_usage_error_not_a_traceback(sizes, capsys):
+@pytest.mark.parametrize("option,value", [("--sizes", "4K"), ("--sizes", "4KiB,3B"),
+                                          ("--sizes", "lots"), ("--repeats", "0"),
+                                          ("--warmup", "-1"), ("--rounds", "0"),
+                                          ("--block", "0"), ("--world", "two")])
+def test_a_bad_option_is_a_usage_error_not_a_traceback(option, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench_cli.main(["allreduce", "--sizes", sizes])
+        bench_cli.main(["allreduce", option, value])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "error: argument --sizes: " in err and "Traceback" not in err, err
+    assert f"error: argument {option}: " in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--algorithms", "ring,fastest"], "unknown algorithms ['fastest']"),
+    (["--backends", "scratch,nccl"], "unknown backends ['nccl']")])
+def test_an_unknown_name_is_a_one_line_error(args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["allreduce", *args])
+    assert message in str(exit_info.value)
+
+
+def test_only_mpi_without_mpi_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(mpi, "unavailable", lambda: "mpiexec not found")
+    with pytest.raises(SystemExit, match="no backend left to run"):
+        bench_cli.main(["allreduce", "--backends", "mpi"])
+    assert "skipping mpi: mpiexec not found" in capsys.readouterr().err
 
 
 def test_benchmark_rows_json_and_plot(tmp_path):

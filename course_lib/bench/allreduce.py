@@ -33,7 +33,7 @@ import time
 
 from course_lib import mpi
 from course_lib.bench import interleave
-from course_lib.bench.common import median, slowest_rank
+from course_lib.bench.common import choose, median, slowest_rank
 
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
          "MB": 10 ** 6, "GB": 10 ** 9}
@@ -57,8 +57,21 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s.strip()]
 
 
+def at_least(minimum: int):
+    """An argparse type: an int >= `minimum`, else a one-line usage error."""
+    def count(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < minimum:
+            raise argparse.ArgumentTypeError(f"needs a whole number >= {minimum}, got {text!r}")
+        return n
+    return count
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--world", type=at_least(1), default=2, help="ranks (default 2)")
     parser.add_argument("--backends", default="scratch,gloo,mpi",
                         help="comma list of scratch, gloo, mpi")
     parser.add_argument("--sizes", type=parse_sizes, default="4KiB,1MiB,16MiB",
@@ -67,12 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scratch algorithms, comma list of ring, tree, naive, rabenseifner, "
                              "one_shot (through the group's staging buffer), auto, shared (a "
                              "buffer from dist.shared_zeros, read in place)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per row")
-    parser.add_argument("--warmup", type=int, default=WARMUP,
+    parser.add_argument("--repeats", type=at_least(1), default=20, help="timed repeats per row")
+    parser.add_argument("--warmup", type=at_least(0), default=WARMUP,
                         help=f"untimed repeats per size and process set (default {WARMUP})")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=at_least(1), default=2,
                         help="fresh process sets per backend; repeats are spread over them")
-    parser.add_argument("--block", type=int, default=2,
+    parser.add_argument("--block", type=at_least(1), default=2,
                         help="timed repeats per turn: the backends' process sets take turns "
                              "row by row, a few repeats at a time (default 2)")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -202,22 +215,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
     sizes = args.sizes
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    from course_lib.dist.collectives import ALGORITHMS
+    algorithms = choose(args.algorithms, ALGORITHMS, "algorithms")
     if "mpi" in backends and (why := mpi.unavailable()):
         print(f"note: skipping mpi: {why}", file=sys.stderr)
         backends.remove("mpi")
-    if args.block < 1:
-        raise SystemExit(f"--block must be at least 1, got {args.block}")
-    rounds = max(1, args.rounds)
-    per_round = math.ceil(args.repeats / rounds)
+    if not backends:
+        raise SystemExit("no backend left to run")
+    per_round = math.ceil(args.repeats / args.rounds)
+    plans = {b: [(n, a) for n in sizes for a in (algorithms if b == "scratch" else ["default"])]
+             for b in backends}
+    launchers = {b: functools.partial(_run_set, b, args.world, plans[b], args.timeout, args.bind)
+                 for b in backends}
     collected: dict[tuple[str, str, int], list[float]] = {}
-    for rnd in range(rounds):
-        plans = {b: [(n, a) for n in sizes for a in (algorithms if b == "scratch"
-                                                      else ["default"])] for b in backends}
+    for rnd in range(args.rounds):
         turns = interleave.schedule({b: [n for n, _ in plan] for b, plan in plans.items()},
                                     args.warmup, per_round, args.block, start=rnd)
-        launchers = {b: functools.partial(_run_set, b, args.world, plans[b], args.timeout,
-                                          args.bind) for b in backends}
         results = interleave.conduct(launchers, {b: args.world for b in backends}, turns,
                                      args.timeout)
         for b, per_rank in results.items():
