@@ -32,7 +32,7 @@ def schedule(rows: dict[str, Sequence[int]], warmup: int, timed: int, block: int
     names = list(rows)
     turns = [(n, r, warmup, 0) for n in names for r in range(len(rows[n])) if warmup]
     groups = sorted({g for n in names for g in rows[n]})
-    for b in range(math.ceil(timed / block) if timed > 0 else 0):
+    for b in range(math.ceil(timed / block)):
         k = min(block, timed - b * block)
         shift = (b + start) % len(names)
         order = names[shift:] + names[:shift]
