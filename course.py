@@ -73,8 +73,34 @@ def lab_settings(lang: str) -> Path:
     return folder
 
 
+# nbgrader's instructor interface (Create Assignment, Formgrader, Validate, the assignment and
+# course lists): in the instructor's lab, not in a learner's.
+NBGRADER_SERVER = ("formgrader", "validate_assignment", "assignment_list", "course_list")
+NBGRADER_LAB = "@jupyter/nbgrader"
+
+
+def learner_config() -> Path:
+    """A Jupyter config folder, first on JUPYTER_CONFIG_PATH for a learner's lab, that turns
+    nbgrader's server and lab extensions off (they stay installed for `--instructor`)."""
+    folder = VENV / "share" / "course-lab" / "learner-config"
+    server = {"ServerApp": {"jpserver_extensions": {
+        f"nbgrader.server_extensions.{name}": False for name in NBGRADER_SERVER}}}
+    (folder / "labconfig").mkdir(parents=True, exist_ok=True)
+    (folder / "jupyter_server_config.json").write_text(json.dumps(server, indent=2))
+    (folder / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {NBGRADER_LAB: True}}, indent=2))
+    return folder
+
+
 def lab(rest: list[str], env: dict[str, str]) -> int:
-    """`lab [--lang en|es] [jupyter lab options]`: the student notebooks of that edition."""
+    """`lab [--lang en|es] [--instructor] [jupyter lab options]`: the student notebooks of that
+    edition; `--instructor` adds nbgrader's instructor interface."""
+    instructor = "--instructor" in rest
+    if instructor:
+        rest.remove("--instructor")
+    else:
+        env = dict(env, JUPYTER_CONFIG_PATH=os.pathsep.join(
+            filter(None, [str(learner_config()), env.get("JUPYTER_CONFIG_PATH")])))
     lang = "en"
     if "--lang" in rest:
         i = rest.index("--lang")
@@ -124,7 +150,8 @@ def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
 
 def main(argv: list[str]) -> int:
     commands = {
-        "lab": "install, then open the course in JupyterLab (--lang es: the Spanish edition)",
+        "lab": "install, then open the course in JupyterLab (--lang es: the Spanish edition; "
+               "--instructor: with nbgrader's instructor interface)",
         "test": "install, then run the whole test suite (extra args go to pytest; --quick: "
                 "the tests that start no engines, kernels or servers, and no notebooks)",
         "build": "regenerate exported modules and the student notebooks (--check: verify only)",

@@ -4,9 +4,10 @@ English is the source of every message: `_("all {n} cases passed", n=3)` returns
 current language, which is `language(...)`'s while one is active (the grader sets the
 submission's), else `$COURSE_LANG`, else that of the notebook the kernel runs, else English. Catalogues are edited with the ordinary
 tools (Poedit, Weblate, `msgmerge`); an entry that is fuzzy or untranslated falls back to
-English. The package's own messages live in `course_lib/locale/LANG/course_lib.po`, extracted
-from the code by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal,
-every exercise's `hint=` and every case's `label=`).
+English. The package's own messages live in `course_lib/locale/LANG/`, extracted from the code
+by `python -m course_lib.i18n extract` (every `_("...")` and `N_("...")` literal, every
+exercise's `hints=` and every case's `label=`): a lesson's exercise messages in `lessonNN.po`
+(so each lesson's catalogue is edited on its own), everything else in `course_lib.po`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextvars
 import functools
 import json
 import os
+import re
 import string
 import sys
 from pathlib import Path
@@ -81,15 +83,25 @@ def catalogue(path: Path) -> dict[str, str]:
     return _loaded[path][1]
 
 
-def package_po(lang: str) -> Path:
-    return PACKAGE_DIR / "locale" / lang / "course_lib.po"
+def package_po(lang: str, name: str = "course_lib") -> Path:
+    """One of the package's catalogues: `course_lib` (the machinery's messages) or a lesson's
+    exercise messages (`lesson04`)."""
+    return PACKAGE_DIR / "locale" / lang / f"{name}.po"
+
+
+def translations(lang: str) -> dict[str, str]:
+    """{English: translation} over every package catalogue of `lang`."""
+    found: dict[str, str] = {}
+    for path in sorted((PACKAGE_DIR / "locale" / lang).glob("*.po")):
+        found.update(catalogue(path))
+    return found
 
 
 def _(message: str, /, **fields: object) -> str:
     """`message` in the current language, its `{fields}` filled in."""
     lang = current()
     if lang != "en" and message:
-        message = catalogue(package_po(lang)).get(message, message)
+        message = translations(lang).get(message, message)
     return message.format(**fields) if fields else message
 
 
@@ -112,7 +124,7 @@ def fields_of(text: str) -> set[str]:
 
 def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
     """{message: [where, ...]} of every `_("...")` and `N_("...")` call and every exercise's
-    `hint="..."` and case `label="..."` in the package."""
+    `hints=("...", ...)` and case `label="..."` in the package."""
     found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -126,13 +138,33 @@ def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
                 texts += [kw.value.value for kw in node.keywords if kw.arg == "label"
                           and isinstance(kw.value, ast.Constant)
                           and isinstance(kw.value.value, str)]
-            if isinstance(node, ast.keyword) and node.arg == "hint" and \
-                    isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                texts.append(node.value.value)
+            if isinstance(node, ast.keyword) and node.arg == "hints" and \
+                    isinstance(node.value, (ast.Tuple, ast.List)):
+                texts += [e.value for e in node.value.elts
+                          if isinstance(e, ast.Constant) and isinstance(e.value, str)]
             for text in texts:
                 where = f"{path.relative_to(root.parent).as_posix()}:{node.lineno}" \
                     if hasattr(node, "lineno") else path.relative_to(root.parent).as_posix()
                 found.setdefault(text, []).append(where)
+    return found
+
+
+_LESSON_FILE = re.compile(r"course_lib/grading/exercises/(lesson\w+)\.py$")
+
+
+def catalogue_name(where: list[str]) -> str:
+    """Which catalogue holds a message found at `where`: its lesson's, when every place that
+    uses it is that lesson's exercise file, else the package's."""
+    owners = {m.group(1) if (m := _LESSON_FILE.search(w.rsplit(":", 1)[0])) else "course_lib"
+              for w in where}
+    return owners.pop() if len(owners) == 1 else "course_lib"
+
+
+def split(messages: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
+    """{catalogue name: its messages} for `messages` as `extract` found them."""
+    found: dict[str, dict[str, list[str]]] = {}
+    for text, where in messages.items():
+        found.setdefault(catalogue_name(where), {})[text] = where
     return found
 
 
@@ -169,15 +201,19 @@ def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m course_lib.i18n extract`: update every package catalogue from the code."""
+    """`python -m course_lib.i18n extract [NAME ...]`: update the package catalogues from the
+    code (only those named, e.g. `lesson04`, when names are given)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv != ["extract"]:
+    if argv[:1] != ["extract"]:
         print(__doc__)
         return 2
-    messages = extract()
+    parts = split(extract())
     for lang in LANGUAGES[1:]:
-        for line in merge(package_po(lang), messages):
-            print(f"{lang}: {line}")
+        folder = PACKAGE_DIR / "locale" / lang
+        names = set(argv[1:]) or set(parts) | {p.stem for p in folder.glob("*.po")}
+        for name in sorted(names):
+            for line in merge(package_po(lang, name), parts.get(name, {})):
+                print(f"{lang}/{name}: {line}")
     return 0
 
 

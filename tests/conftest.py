@@ -93,7 +93,28 @@ def less(name: str, fn, cluster=None, **kwargs):
 
     r = grade_function(name, fn, cluster, **kwargs)
     assert r.points < r.max_points, r
+    assert_feedback_teaches_without_telling(name, r)
     return r
+
+
+def assert_feedback_teaches_without_telling(name: str, result) -> None:
+    """A failing check's default output, in both languages, says what is wrong and never shows
+    code of the exercise's answer (course_lib.lesson_shape's code expressions)."""
+    from pathlib import Path
+
+    from course_lib import i18n, lesson_shape
+    from course_lib.grading import get_exercise
+
+    ex = get_exercise(name)
+    source = Path(__file__).resolve().parents[1] / "solutions" / f"{ex.notebook}.ipynb"
+    if not source.is_file():  # a test's own exercise, not a lesson's
+        return
+    solution = lesson_shape.solution_of(source, ex.function)
+    for lang in i18n.LANGUAGES:
+        with i18n.language(lang):
+            shown = str(result) + "\n" + result._repr_html_()
+        shared = lesson_shape.code_in_feedback(shown, solution)
+        assert not shared, f"{name}'s feedback ({lang}) shows the answer's code: {shared}"
 
 
 @pytest.fixture(scope="session", autouse=True)

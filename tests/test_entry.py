@@ -35,3 +35,25 @@ def test_lab_command_serves_every_student_notebook(lang, folder, locale):
             assert "es_ES" in packs
             strings = get("/lab/api/translations/es_ES")["data"]
             assert strings["jupyterlab"]["Run"] == ["Ejecutar"]
+
+
+@pytest.mark.parametrize("flags, shown", [([], False), (["--instructor"], True)])
+def test_the_learner_s_lab_has_no_instructor_interface(flags, shown):
+    """`course.py lab` hides nbgrader's Create Assignment, Formgrader and Validate (its lab
+    extension disabled, its server handlers not loaded); `course.py lab --instructor` has them."""
+    import urllib.error
+
+    token = "course-test"
+    with running_lab(flags, token) as base:
+        with urllib.request.urlopen(f"{base}/lab?token={token}", timeout=10) as r:
+            page = r.read().decode()
+        config = json.loads(page.split('id="jupyter-config-data" type="application/json">')[1]
+                            .split("</script>")[0])
+        disabled = config.get("disabledExtensions", [])
+        assert ("@jupyter/nbgrader" in disabled) is not shown, disabled
+        try:
+            with urllib.request.urlopen(f"{base}/formgrader?token={token}", timeout=10) as r:
+                status = r.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert (status == 200) is shown, status

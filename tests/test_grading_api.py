@@ -15,7 +15,21 @@ SCALE = register(Exercise(
     name="lesson99.scale", notebook="99_api_test", params=("x", "factor"),
     cases=[case(torch.arange(4.0), 2.0), case(torch.ones(2, 3), -0.5),
            case(torch.tensor([1.0, 2.0]), 3.0, expected=torch.tensor([3.0, 6.0]))],
-    reference=lambda x, factor: x * factor, points=3, hint="multiply", time_limit=1.0))
+    reference=lambda x, factor: x * factor, points=3, hints=("multiply", "times the factor"),
+    time_limit=1.0))
+
+
+def _sign_explained(c, rank, expected, got):
+    """The lesson's reason for a wrong value: here, a sign lost."""
+    if torch.equal(got, expected.abs()) and not torch.equal(got, expected):
+        return "the sign of a negative factor is lost"
+    return None
+
+
+register(Exercise(
+    name="lesson99.signed", notebook="99_api_test", params=("x", "factor"),
+    cases=[case(torch.arange(4.0), 2.0), case(torch.ones(2), -0.5), case(torch.ones(2), 0.0)],
+    reference=lambda x, factor: x * factor, explain=_sign_explained))
 
 
 def scale(x, factor):
@@ -62,13 +76,52 @@ def test_wrong_function_is_graded_by_case():
     assert result.points == 2.0 and not result.passed
     assert result.reason.startswith("1 of 3 cases failed; first: scale(tensor(1, 1, 1, 1, 1, 1)")
     assert "values differ" in result.reason
-    assert "Hint: multiply" in str(result)
+    # Hints only on request, a level at a time; by default only how to ask.
+    assert "multiply" not in str(result)
+    assert "check(..., hint=1) gives a first hint (2 levels)" in str(result)
+    first, both = str(result.with_hints(1)), str(result.with_hints(2))
+    assert "Hint 1: multiply" in first and "times the factor" not in first
+    assert "check(..., hint=2) gives the next level" in first
+    assert "Hint 1: multiply" in both and "Hint 2: times the factor" in both
+    assert "next level" not in both
+
+
+def test_check_takes_a_hint_level(capsys):
+    check("lesson99.scale", scale_wrong_once, hint=1)
+    assert "Hint 1: multiply" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="takes a level"):
+        check("lesson99.scale", scale_wrong_once, hint=-1)
+
+
+def test_a_wrong_value_is_explained_in_the_lesson_s_terms():
+    result = grade_function("lesson99.signed", scale_wrong_once)
+    assert result.reason.endswith("the sign of a negative factor is lost"), result.reason
+    assert "the sign of a negative factor is lost" in str(result)
+
+    def zero_for_all(x, factor):  # the explanation does not fit: the generic difference
+        return x * 0
+    assert "values differ" in grade_function("lesson99.signed", zero_for_all).reason
+
+
+def test_ranks_that_sit_out_a_case_are_not_listed():
+    from course_lib.grading import CaseResult, Row
+    rows = [Row(0, False, "1", "2", "wrong"), Row(1, True, "1", "1"),
+            Row(2, True, "None", "None", sat_out=True), Row(3, True, "None", "None", sat_out=True)]
+    result = Result("lesson99.scale", 0.0, 1.0, "why", [CaseResult("2 ranks", rows)])
+    ranks = [line.split()[2] for line in str(result).splitlines()[3:]]
+    assert ranks == ["0", "1"], str(result)
+    assert result._repr_html_().count("<tr") == 3
+    assert Result.from_dict(result.to_dict()) == result
 
 
 def test_not_implemented_is_zero_with_a_clear_reason():
     result = grade_function("lesson99.scale", scale_todo)
     assert result.points == 0.0
     assert result.reason == "not implemented yet: scale raises NotImplementedError"
+    # One line: no table and no hint (nor the offer of one) for a stub.
+    assert str(result) == ("lesson99.scale: 0 / 3 points. not implemented yet: scale raises "
+                           "NotImplementedError")
+    assert "<table>" not in result._repr_html_()
 
 
 def test_wrong_signature_is_reported_before_any_call():
@@ -110,7 +163,8 @@ def test_plain_text_and_html_rendering():
     assert [" FAIL " in line for line in text[3:6]] == [False, True, False]
     assert "max |got - expected| = 1 at (0, 0)" in text[4]
     page = result._repr_html_()
-    assert page.count("<tr") == 4 and "&#10008; fail" in page and "Hint:</b> multiply" in page
+    assert page.count("<tr") == 4 and "&#10008; fail" in page and "hint=1" in page
+    assert "Hint 1: multiply" in result.with_hints(1)._repr_html_()
 
     class Printer:
         def text(self, s):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 register(Exercise(
     name="lesson98.double", notebook="98_i18n_test", params=("x",),
     cases=[case(torch.arange(3.0)), case(torch.tensor([-1.0, 4.0]))],
-    reference=lambda x: 2 * x, points=2, hint="multiply by two"))
+    reference=lambda x: 2 * x, points=2, hints=("multiply by two",)))
 
 
 def double_wrong(x):  # right on the first case, wrong sign handling on the second
@@ -25,26 +25,30 @@ def double_wrong(x):  # right on the first case, wrong sign handling on the seco
 def test_the_catalogue_is_the_code_s_messages_all_translated():
     """`python -m course_lib.i18n extract` is up to date, and every message is translated,
     reviewed (none fuzzy) and keeps exactly the fields it fills in."""
-    found = i18n.extract()
-    entries = {e.msgid: e for e in polib.pofile(str(i18n.package_po("es"))) if not e.obsolete}
-    assert set(entries) == set(found)
-    for msgid, entry in entries.items():
-        assert entry.msgstr and "fuzzy" not in entry.flags, msgid
-        assert i18n.fields_of(entry.msgstr) == i18n.fields_of(msgid), msgid
+    parts = i18n.split(i18n.extract())
+    files = {p.stem for p in i18n.package_po("es").parent.glob("*.po")}
+    assert files == set(parts), "a catalogue without messages, or messages without one"
+    for name, found in parts.items():
+        entries = {e.msgid: e for e in polib.pofile(str(i18n.package_po("es", name)))
+                   if not e.obsolete}
+        assert set(entries) == set(found), name
+        for msgid, entry in entries.items():
+            assert entry.msgstr and "fuzzy" not in entry.flags, (name, msgid)
+            assert i18n.fields_of(entry.msgstr) == i18n.fields_of(msgid), (name, msgid)
 
 
 def test_check_feedback_is_written_in_the_edition_s_language(monkeypatch):
     english = grade_function("lesson98.double", double_wrong)
     assert english.reason.startswith("1 of 2 cases failed; first: ")
-    assert "Hint: multiply by two" in str(english)
+    assert "Hint 1: multiply by two" in str(english.with_hints(1))
     with i18n.language("es"):
         spanish = grade_function("lesson98.double", double_wrong)
-        table = str(spanish)
+        table = str(spanish.with_hints(1))
     assert spanish.points == english.points == 1.0
     assert spanish.reason.startswith("fallaron 1 de 2 casos; el primero: ")
     assert "los valores difieren: máx. |obtenido - esperado| = 4 en (0,)" in spanish.reason
     assert "lesson98.double: 1 / 2 puntos." in table and "FALLA" in table
-    assert "Pista: multiply by two" in table  # a hint not in the catalogue stays English
+    assert "Pista 1: multiply by two" in table  # a hint not in the catalogue stays English
     monkeypatch.setenv(i18n.LANG_ENV, "es")  # what `course.py lab --lang es` sets
     assert grade_function("lesson98.double", double_wrong).reason.startswith("fallaron")
 

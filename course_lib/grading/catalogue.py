@@ -105,7 +105,9 @@ class Exercise:
     params: tuple[str, ...] | None = None  # expected parameters, e.g. ("rank", "world_size", "n")
     reference: Callable[..., Any] | None = None
     points: float = 1.0
-    hint: str = ""
+    # Shown only on request, `check(..., hint=1)` then `hint=2`: the idea or invariant, then
+    # a step or a picture; never code, nor the index arithmetic that is the answer.
+    hints: tuple[str, ...] = ()
     time_limit: float = 10.0           # seconds per call (per case; on every rank at once)
     distributed: bool = False          # run on every rank of a course_lib.cluster Cluster
     world_size: int = 4                # the grader's cluster size for distributed exercises
@@ -114,9 +116,16 @@ class Exercise:
     harness: Callable[..., Any] | None = None
     rtol: float = 1e-5
     atol: float = 1e-8
+    # Why a failing value is wrong, in the lesson's terms ("rank 2 ends with chunk 1 summed over
+    # 2 of 3 ranks"): explain(case, rank, expected, got) -> str or None (then the generic
+    # difference). Runs where the judge runs, on plain values.
+    explain: Callable[[Case, Any, Any, Any], str | None] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "cases", tuple(self.cases))
+        if isinstance(self.hints, str):
+            raise ValueError(f"{self.name}: hints is a tuple of levels, not one string")
+        object.__setattr__(self, "hints", tuple(self.hints))
         if self.params is not None:
             object.__setattr__(self, "params", tuple(self.params))
         if not _NAME.match(self.name):

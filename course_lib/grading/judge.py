@@ -76,7 +76,8 @@ def expected_values(ex: Exercise) -> dict:
                                       for c in ex.cases]}
 
 
-def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float) -> Row:
+def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float,
+                 c: Case | None = None) -> Row:
     shown = show(want)
     status = Outcome(out["status"])
     if status is Outcome.RETURNED and "unplain" in out:
@@ -84,9 +85,14 @@ def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float) ->
             "not a value the check can compare (numbers, strings, lists, tuples, dicts and "
             "tensors are)"))
     if status is Outcome.RETURNED:
-        diff = mismatch(out["value"], want, ex.rtol, ex.atol)
+        got = out["value"]
+        diff = mismatch(got, want, ex.rtol, ex.atol)
+        if diff is None:
+            return Row(rank, True, shown, show(got), sat_out=want is None and got is None)
         note = _(WRONG_VALUE) if diff == WRONG_VALUE else diff
-        return Row(rank, diff is None, shown, show(out["value"]), note or "")
+        if ex.explain is not None and c is not None:
+            note = _explained(ex, c, rank, want, got) or note
+        return Row(rank, False, shown, show(got), note or "")
     if status is Outcome.NOT_IMPLEMENTED:
         return Row(rank, False, shown, "NotImplementedError", _("not implemented yet"), status)
     if status is Outcome.TIMEOUT:
@@ -101,13 +107,23 @@ def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float) ->
                status)
 
 
+def _explained(ex: Exercise, c: Case, rank: Any, want: Any, got: Any) -> str | None:
+    """The exercise's own reason for a wrong value, or None (its failure is not the learner's:
+    the generic difference is shown instead)."""
+    try:
+        why = ex.explain(c, rank, want, got)
+    except Exception:  # noqa: BLE001 - a value too wrong for the explanation to read
+        return None
+    return str(why)[:MAX_TEXT] if why else None
+
+
 def _rows(ex: Exercise, c: Case, outs: list[dict], limit: float) -> list[Row]:
     """One row per call (per rank when distributed), and the total's row if the exercise has one."""
     if not ex.distributed:
-        return [_outcome_row(None, outs[0], expected(ex, c), ex, limit)]
+        return [_outcome_row(None, outs[0], expected(ex, c), ex, limit, c)]
     world = len(outs)
     want = [expected(ex, c, r, world) for r in range(world)]
-    rows = [_outcome_row(r, out, want[r], ex, limit) for r, out in enumerate(outs)]
+    rows = [_outcome_row(r, out, want[r], ex, limit, c) for r, out in enumerate(outs)]
     if ex.total is not None:
         if all(o["status"] == Outcome.RETURNED and "unplain" not in o for o in outs):
             rows.append(_outcome_row("all", {"status": Outcome.RETURNED,
@@ -137,9 +153,11 @@ def _summary(ex: Exercise, cases: list[CaseResult], stopped: str) -> tuple[float
                      failed=len(failed), n=len(cases), label=first.label, rank=rank, what=what)
 
 
-def zero(ex: Exercise, reason: str, cases: list | None = None) -> Result:
+def zero(ex: Exercise, reason: str, cases: list | None = None, *,
+         not_implemented: bool = False) -> Result:
     """No points, and why."""
-    return Result(ex.name, 0.0, float(ex.points), reason, cases or [], ex.hint)
+    return Result(ex.name, 0.0, float(ex.points), reason, cases or [], ex.hints,
+                  not_implemented=not_implemented)
 
 
 def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
@@ -161,7 +179,7 @@ def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
         outcomes = {r.outcome for r in rows}
         if Outcome.NOT_IMPLEMENTED in outcomes:
             return zero(ex, _("not implemented yet: {function} raises NotImplementedError",
-                              function=ex.function), cases)
+                              function=ex.function), cases, not_implemented=True)
         if Outcome.TIMEOUT in outcomes:
             where = [str(r.rank) for r in rows
                      if r.rank is not None and r.outcome is Outcome.TIMEOUT]
@@ -172,7 +190,7 @@ def judge(ex: Exercise, collected: list[dict], limit: float) -> Result:
         elif halt:
             stopped = halt
     points, reason = _summary(ex, cases, stopped)
-    return Result(ex.name, points, float(ex.points), reason, cases, ex.hint)
+    return Result(ex.name, points, float(ex.points), reason, cases, ex.hints)
 
 
 def _text(value: Any, what: str) -> str:

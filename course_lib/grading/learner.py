@@ -225,11 +225,16 @@ def _blame_earlier_lessons(ex: Exercise, fn: Any, cluster: Any, limit: float | N
     return result
 
 
-def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | None = None) -> None:
+def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | None = None,
+          hint: int = 0) -> None:
     """A check cell: grade `fn` and show the per-case (per-rank) table under the cell. In a
     student notebook the lesson is first exported into the learner's course_lib (the check
     then runs it) and the outcome recorded, which decides whether later lessons use it.
+    `hint=1`, then `hint=2`, also shows the exercise's hints up to that level (never code).
     Under nbgrader's autograder a check that does not pass raises, so its grade cell scores 0."""
+    if isinstance(hint, bool) or not isinstance(hint, int) or hint < 0:
+        raise ValueError(_("check(..., hint=...) takes a level: 0 (none), 1, 2, ...; got "
+                           "{value}", value=repr(hint)))
     if os.environ.get(GRADING_ENV):
         print(_("check({exercise}) skipped: the grader runs its own checks",
                 exercise=repr(exercise)))
@@ -251,7 +256,7 @@ def check(exercise: str, fn: Any, cluster: Any = None, *, time_limit: float | No
             overlay.record(ex.name, result.passed)
             if not result.passed:
                 result = _blame_earlier_lessons(ex, fn, cluster, time_limit, result)
-        _show(result, notes)
+        _show(result.with_hints(hint), notes)
 
 
 def _show(result: Result, notes: list[str]) -> None:

@@ -35,6 +35,7 @@ class Row:
     got: str
     note: str = ""
     outcome: Outcome | None = None  # None: PASSED or WRONG, from `passed`
+    sat_out: bool = False  # a rank outside this case's world, as expected: not shown
 
     def __post_init__(self) -> None:
         if self.outcome is None:
@@ -63,31 +64,45 @@ class Result:
     max_points: float
     reason: str
     cases: list[CaseResult] = field(default_factory=list)
-    hint: str = ""
+    hints: tuple[str, ...] = ()  # the exercise's hint levels, shown up to `hint_level`
+    hint_level: int = 0          # how many levels the learner asked for (check(..., hint=k))
+    not_implemented: bool = False  # the stub still raises: one line, no table
 
     @property
     def passed(self) -> bool:
         return self.points >= self.max_points
 
+    def with_hints(self, level: int) -> "Result":
+        """The same result, showing the first `level` hint levels (0: none)."""
+        from dataclasses import replace
+
+        return replace(self, hint_level=max(0, int(level)))
+
     def to_dict(self) -> dict:
         """Plain JSON-ready data (what the batch grader reads back from a kernel)."""
-        return asdict(self)
+        data = asdict(self)
+        data["hints"] = list(self.hints)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Result":
         cases = [CaseResult(c["label"], [Row(**r) for r in c["rows"]]) for c in data["cases"]]
         return cls(data["exercise"], data["points"], data["max_points"], data["reason"],
-                   cases, data.get("hint", ""))
+                   cases, tuple(data.get("hints", ())), int(data.get("hint_level", 0)),
+                   bool(data.get("not_implemented", False)))
 
     def _table(self) -> tuple[list[str], list[list[str]], list[bool]]:
-        rows = [r for c in self.cases for r in c.rows]
+        if self.not_implemented:
+            return [], [], []
+        shown = [[r for r in c.rows if not r.sat_out] for c in self.cases]
+        rows = [r for found in shown for r in found]
         ranked = any(r.rank is not None for r in rows)
         noted = any(r.note for r in rows)
         head = ([_("case")] + ([_("rank")] if ranked else [])
                 + [_("result"), _("expected"), _("got")] + ([_("note")] if noted else []))
         body, ok = [], []
-        for c in self.cases:
-            for i, r in enumerate(c.rows):
+        for c, found in zip(self.cases, shown):
+            for i, r in enumerate(found):
                 rank = [] if not ranked else ["" if r.rank is None else str(r.rank)]
                 note = [r.note] if noted else []
                 body.append([c.label if i == 0 else ""] + rank +
@@ -99,6 +114,20 @@ class Result:
         return _("{exercise}: {points} / {max_points} points. {reason}", exercise=self.exercise,
                  points=_num(self.points), max_points=_num(self.max_points), reason=self.reason)
 
+    def _hint_lines(self) -> list[str]:
+        """The hint levels asked for; else, on a failure that has hints, how to ask."""
+        if self.passed or not self.hints or self.not_implemented and not self.hint_level:
+            return []
+        if not self.hint_level:
+            return [_("Stuck? check(..., hint=1) gives a first hint ({levels} levels).",
+                      levels=len(self.hints))]
+        shown = [_("Hint {level}: {hint}", level=k + 1, hint=_(h))
+                 for k, h in enumerate(self.hints[:self.hint_level])]
+        if self.hint_level < len(self.hints):
+            shown.append(_("check(..., hint={next}) gives the next level.",
+                           next=self.hint_level + 1))
+        return shown
+
     def __str__(self) -> str:
         head, body, _ok = self._table()
         lines = [self._title()]
@@ -107,9 +136,7 @@ class Result:
             widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
             fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
             lines += [fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]]
-        if self.hint and not self.passed:
-            lines.append(_("Hint: {hint}", hint=_(self.hint)))
-        return "\n".join(lines)
+        return "\n".join(lines + self._hint_lines())
 
     def _repr_pretty_(self, p, cycle: bool) -> None:
         p.text(str(self))
@@ -129,8 +156,7 @@ class Result:
                 bg = "" if passed else ' style="background:rgba(207,34,46,0.08)"'
                 out.append(f"<tr{bg}>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
             out.append("</table>")
-        if self.hint and not self.passed:
-            out.append(f"<p><b>{html.escape(_('Hint:'))}</b> {html.escape(_(self.hint))}</p>")
+        out += [f"<p>{html.escape(line)}</p>" for line in self._hint_lines()]
         return "\n".join(out) + "</div>"
 
 

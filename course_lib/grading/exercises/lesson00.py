@@ -43,9 +43,9 @@ register(Exercise(
     harness=shard_sum_harness,
     total=_total,
     points=2,
-    hint=("Rank r owns range(start, stop) with start = r * (n // world_size) + min(r, n % "
+    hints=("Rank r owns range(start, stop) with start = r * (n // world_size) + min(r, n % "
           "world_size): the first n % world_size ranks take one extra element, so the shards "
-          "do not overlap, leave nothing out, and differ in size by at most one."),
+          "do not overlap, leave nothing out, and differ in size by at most one.",),
     distributed=True,
     world_size=4,       # the grader's cluster: its first 2, 3 and 4 ranks play worlds of that size
     backend="none",     # nothing is communicated

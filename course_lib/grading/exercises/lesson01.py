@@ -31,9 +31,9 @@ register(Exercise(
     ],
     reference=_encode_reference,
     points=2,
-    hint=("HEADER.pack(MAGIC, tag, DTYPE_CODE[tensor.dtype], tensor.dim(), 0, nbytes, *shape): "
+    hints=("HEADER.pack(MAGIC, tag, DTYPE_CODE[tensor.dtype], tensor.dim(), 0, nbytes, *shape): "
           "nbytes = numel * element_size (not 4 for every dtype), shape in order, padded with "
-          "zeros to MAX_DIMS entries."),
+          "zeros to MAX_DIMS entries.",),
 ))
 
 
@@ -79,9 +79,9 @@ register(Exercise(
     reference=_decode_reference,
     harness=decode_harness,
     points=2,
-    hint=("Unpack with HEADER, check the magic, the dtype code (< len(DTYPES)), ndim <= MAX_DIMS, "
+    hints=("Unpack with HEADER, check the magic, the dtype code (< len(DTYPES)), ndim <= MAX_DIMS, "
           "that shape entries past ndim are 0, and nbytes == numel * dtype.itemsize; return "
-          "(tag, dtype, shape[:ndim] as a tuple, nbytes)."),
+          "(tag, dtype, shape[:ndim] as a tuple, nbytes).",),
 ))
 
 # --- lesson01.exchange (on the cluster) -----------------------------------------------------
@@ -150,9 +150,9 @@ register(Exercise(
     world_size=4,
     points=2,
     time_limit=10.0,
-    hint=("Both ranks sending a large tensor first deadlock: neither receives. Let the lower "
+    hints=("Both ranks sending a large tensor first deadlock: neither receives. Let the lower "
           "rank send first and the higher receive first, or post dist.irecv and dist.isend and "
-          "wait on both. Receive into a new tensor (torch.empty_like) and return it."),
+          "wait on both. Receive into a new tensor (torch.empty_like) and return it.",),
 ))
 
 
@@ -223,9 +223,9 @@ register(Exercise(
     harness=recv_exact_harness,
     points=2,
     time_limit=15.0,
-    hint=("Loop until the view is full: _set_timeout(sock, socket.SO_RCVTIMEO, deadline) (it "
+    hints=("Loop until the view is full: _set_timeout(sock, socket.SO_RCVTIMEO, deadline) (it "
           "raises WireTimeout once the deadline is past), then k = sock.recv_into(view[got:], "
           "n - got, socket.MSG_WAITALL); k == 0 means the peer closed: raise PeerClosed; on "
           "BlockingIOError/TimeoutError raise WireTimeout(got) if the deadline passed, else "
-          "retry."),
+          "retry.",),
 ))

@@ -64,10 +64,10 @@ register_on_sub_worlds(
     harness=_ring_harness("reduce_scatter"),
     points=2,
     time_limit=10.0,
-    hint=("chunks = tensor.view(-1).tensor_split(p). Rank r must end with chunk r complete, so "
+    hints=("chunks = tensor.view(-1).tensor_split(p). Rank r must end with chunk r complete, so "
           "it sends chunk r - 1 first: at step s send chunk (r - s - 1) % p to r + 1, receive "
           "chunk (r - s - 2) % p from r - 1 into a buffer and add it. p - 1 steps, one message "
-          "each, every chunk but your own sent once."),
+          "each, every chunk but your own sent once.",),
 )
 
 register_on_sub_worlds(
@@ -78,10 +78,10 @@ register_on_sub_worlds(
     harness=_ring_harness("all_reduce"),
     points=3,
     time_limit=10.0,
-    hint=("Your ring_reduce_scatter first (rank r then holds chunk r summed), then p - 1 "
+    hints=("Your ring_reduce_scatter first (rank r then holds chunk r summed), then p - 1 "
           "all-gather steps: at step s send chunk (r - s) % p to r + 1 and receive chunk "
           "(r - s - 1) % p from r - 1 straight into place. Use dist.isend + dist.recv (or "
-          "parity order) so no step deadlocks."),
+          "parity order) so no step deadlocks.",),
 )
 
 # --- lesson02.tree_reduce ----------------------------------------------------------------------
@@ -132,9 +132,9 @@ register_on_sub_worlds(
     harness=reduce_harness,
     points=2,
     time_limit=10.0,
-    hint=("v = (rank - dst) % p; acc = tensor on the root, a clone elsewhere. For k = 1, 2, 4, "
+    hints=("v = (rank - dst) % p; acc = tensor on the root, a clone elsewhere. For k = 1, 2, 4, "
           "... < p: if v & k, send acc to (v - k + dst) % p and stop; else if v + k < p, "
-          "receive from (v + k + dst) % p and add it to acc."),
+          "receive from (v + k + dst) % p and add it to acc.",),
 )
 
 
@@ -182,11 +182,11 @@ register_on_sub_worlds(
     harness=doubling_harness,
     points=3,
     time_limit=10.0,
-    hint=("pof2 = 1 << (p.bit_length() - 1), extra = p - pof2. Ranks r < 2*extra: even ones send "
+    hints=("pof2 = 1 << (p.bit_length() - 1), extra = p - pof2. Ranks r < 2*extra: even ones send "
           "to r + 1 and receive the result from it; odd ones receive and add first. Virtual rank "
           "v = r // 2 (r < 2*extra) or r - extra; partner v ^ mask for mask = 1, 2, ... < pof2, "
           "back to a real rank as 2*v + 1 if v < extra else v + extra; swap whole tensors and "
-          "add. Then each odd r < 2*extra sends the sum to r - 1."),
+          "add. Then each odd r < 2*extra sends the sum to r - 1.",),
 )
 
 
@@ -229,7 +229,7 @@ register_on_sub_worlds(
     harness=tree_harness,
     points=2,
     time_limit=10.0,
-    hint=("Work in virtual ranks v = (rank - src) % p so the root is 0. Round k = 0, 1, ...: "
+    hints=("Work in virtual ranks v = (rank - src) % p so the root is 0. Round k = 0, 1, ...: "
           "every v < 2**k that has the data sends it to v + 2**k (if < p); v receives once, "
-          "from v - 2**floor(lg v). Translate back with (v + src) % p; use dist.send/dist.recv."),
+          "from v - 2**floor(lg v). Translate back with (v + src) % p; use dist.send/dist.recv.",),
 )

@@ -27,7 +27,7 @@ register(Exercise(
     ],
     reference=_torch_indices,
     points=2,
-    hint=("Shuffle with a torch.Generator seeded `seed` (torch.randperm), pad by repeating the "
+    hints=("Shuffle with a torch.Generator seeded `seed` (torch.randperm), pad by repeating the "
           "list from its start (or cut it for drop_last) to a multiple of num_replicas, then "
-          "take every num_replicas-th index starting at rank."),
+          "take every num_replicas-th index starting at rank.",),
 ))

@@ -55,9 +55,9 @@ register_on_sub_worlds(
     reference=_coalesced_reference,
     harness=coalesced_harness,
     points=2,
-    hint=("Group the tensors by dtype (a dict keeps their order); per dtype, flatten_into one "
+    hints=("Group the tensors by dtype (a dict keeps their order); per dtype, flatten_into one "
           "buffer, dist.broadcast(flat, src, group=group) once, and copy each slice back into "
-          "its tensor (t.copy_(... .view_as(t)), in place, under torch.no_grad())."),
+          "its tensor (t.copy_(... .view_as(t)), in place, under torch.no_grad()).",),
 )
 
 
@@ -99,8 +99,8 @@ register_on_sub_worlds(
     reference=_averaged(len),
     harness=allreduce_harness,
     points=1,
-    hint=("For each parameter and its gradient (grads_of(params)): dist.all_reduce(g, "
-          "group=group), then p.grad = g / dist.get_world_size(group)."),
+    hints=("For each parameter and its gradient (grads_of(params)): dist.all_reduce(g, "
+          "group=group), then p.grad = g / dist.get_world_size(group).",),
 )
 
 
@@ -111,9 +111,9 @@ register_on_sub_worlds(
     reference=_averaged(lambda shapes: 1),
     harness=allreduce_harness,
     points=2,
-    hint=("Copy every gradient into one flat buffer, all_reduce it once (a SUM, on the group), "
+    hints=("Copy every gradient into one flat buffer, all_reduce it once (a SUM, on the group), "
           "divide by the world size, and copy each slice back into its parameter's .grad. One "
-          "collective in all: not one per parameter."),
+          "collective in all: not one per parameter.",),
 )
 
 
@@ -154,10 +154,10 @@ register(Exercise(
     reference=_buckets_reference,
     harness=buckets_harness,
     points=2,
-    hint=("Walk reversed(params); start a new bucket when the dtype changes; add the parameter, "
+    hints=("Walk reversed(params); start a new bucket when the dtype changes; add the parameter, "
           "then close the bucket once its bytes reach the cap (the first bucket's cap is "
           "first_bucket_cap_mb unless None, the rest bucket_cap_mb); keep the last, partial "
-          "bucket. bucket_cap_mb <= 0 is a ValueError."),
+          "bucket. bucket_cap_mb <= 0 is a ValueError.",),
 ))
 
 
@@ -185,8 +185,8 @@ register(Exercise(
     reference=_in_order,
     harness=launch_harness,
     points=1,
-    hint=("Start at next_bucket and keep going while the bucket is complete; never skip an "
-          "incomplete bucket, or ranks could start different all_reduces at the same time."),
+    hints=("Start at next_bucket and keep going while the bucket is complete; never skip an "
+          "incomplete bucket, or ranks could start different all_reduces at the same time.",),
 ))
 
 
@@ -383,5 +383,5 @@ for _which, _params in (("launch_bucket", ("ddp", "bucket")), ("on_grad_ready", 
         # launches out of order hang
         rtol=1e-9,
         atol=1e-12,
-        hint=_DDP_HINTS[_which],
+        hints=(_DDP_HINTS[_which],),
     )

@@ -81,8 +81,8 @@ register_on_sub_worlds(
     points=2,
     rtol=1e-7,
     atol=1e-9,
-    hint=("Divide each micro-batch loss by k before backward, run the first k-1 inside "
-          "model.no_sync(), and step + zero the optimizer once, after the last micro-batch."),
+    hints=("Divide each micro-batch loss by k before backward, run the first k-1 inside "
+          "model.no_sync(), and step + zero the optimizer once, after the last micro-batch.",),
 )
 
 
@@ -157,10 +157,10 @@ register_on_sub_worlds(
     points=2,
     rtol=1e-7,
     atol=1e-9,
-    hint=("Remember ddp.require_backward_grad_sync, set it to False, yield inside try, and "
+    hints=("Remember ddp.require_backward_grad_sync, set it to False, yield inside try, and "
           "restore the remembered value in finally: not True (nested blocks), and also when "
           "the block raises. Set that attribute, not expect_hooks: forward recomputes "
-          "expect_hooks from it."),
+          "expect_hooks from it.",),
 )
 
 
@@ -207,8 +207,8 @@ register(Exercise(
     reference=_saved_reference,
     harness=saved_harness,
     points=2,
-    hint=("Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack) run model(*inputs); "
+    hints=("Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack) run model(*inputs); "
           "pack(t) adds t.numel() * t.element_size() unless t's storage is a parameter's "
           "(untyped_storage().data_ptr()) or the same view was counted already (key: storage "
-          "pointer, offset, shape, strides), and returns t; unpack returns it unchanged."),
+          "pointer, offset, shape, strides), and returns t; unpack returns it unchanged.",),
 ))

@@ -35,9 +35,9 @@ register(Exercise(
     ],
     reference=_shard_reference,
     points=2,
-    hint=("Rank r of p owns the r-th of p equal contiguous slices along `dim`: "
+    hints=("Rank r of p owns the r-th of p equal contiguous slices along `dim`: "
           "tensor.narrow(dim, r * size, size). With parts > 1, take that slice of each of the "
-          "`parts` blocks (tensor.chunk(parts, dim)) and concatenate them."),
+          "`parts` blocks (tensor.chunk(parts, dim)) and concatenate them.",),
 ))
 
 
@@ -67,7 +67,7 @@ def _on_sub_worlds(body):
 def _register_06(name: str, cases: list, reference, harness, hint: str, params: tuple) -> None:
     register_on_sub_worlds(name, "06_tensor_parallel", params=params, cases=cases,
                            reference=reference, harness=harness, points=2, rtol=1e-10,
-                           atol=1e-12, hint=hint)
+                           atol=1e-12, hints=(hint,))
 
 
 _FG_CASES = [case(RANK, WORLD_SIZE, k, seed, label=f"{k} ranks") for k, seed in
@@ -336,9 +336,9 @@ register(Exercise(
     harness=init_harness,
     points=2,
     rtol=0, atol=0,
-    hint=("bound = 1 / sqrt(in_features). Draw the weight in blocks of rows, in order, each "
+    hints=("bound = 1 / sqrt(in_features). Draw the weight in blocks of rows, in order, each "
           "torch.empty(rows_in_block, in_features).uniform_(-bound, bound): keep the blocks j "
           "with j % world_size == rank (column-parallel, blocks of out_features / (world_size "
           "* parts) rows) or this rank's columns of each block (row-parallel). Then draw the "
-          "whole bias the same way and keep its shard (column) or all of it (row)."),
+          "whole bias the same way and keep its shard (column) or all of it (row).",),
 ))

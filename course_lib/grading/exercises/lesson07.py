@@ -42,10 +42,10 @@ register(Exercise(
     reference=_partition_reference,
     harness=partition_harness,
     points=2,
-    hint=("Dynamic programming over prefix sums: best[k][i] = the smallest largest stage cost of "
+    hints=("Dynamic programming over prefix sums: best[k][i] = the smallest largest stage cost of "
           "layers[:i] in k stages = min over j of max(best[k-1][j], cost(j..i)); remember the j "
           "that won, and walk the cuts back from best[n_stages][n]. Every stage non-empty; "
-          "n_stages > len(costs) is a ValueError."),
+          "n_stages > len(costs) is a ValueError.",),
 ))
 
 
@@ -92,10 +92,10 @@ register(Exercise(
     harness=pipeline_harness,
     points=3,
     rtol=1e-9, atol=1e-12,
-    hint=("Forward each micro-batch through the stages, giving every stage a detached copy of "
+    hints=("Forward each micro-batch through the stages, giving every stage a detached copy of "
           "its input with requires_grad and keeping (input, output) per stage. Backward each "
           "micro-batch: loss / n_microbatches on the last stage, then out.backward(grad) with "
-          "the grad of the next stage's input, for the SAME micro-batch."),
+          "the grad of the next stage's input, for the SAME micro-batch.",),
 ))
 
 
@@ -127,8 +127,8 @@ register(Exercise(
     reference=_reference("gpipe_order"),
     harness=order_harness,
     points=1,
-    hint="All forwards F0..F(m-1), then all backwards B0..B(m-1), in the same micro-batch order "
-         "on every stage, so a gradient always meets its own activations.",
+    hints=("All forwards F0..F(m-1), then all backwards B0..B(m-1), in the same micro-batch order "
+         "on every stage, so a gradient always meets its own activations.",),
 ))
 
 register(Exercise(
@@ -139,8 +139,8 @@ register(Exercise(
     reference=_reference("one_f_one_b_order"),
     harness=order_harness,
     points=2,
-    hint="Warm up with min(p - 1 - stage, m) forwards; then for each remaining micro-batch one "
-         "forward (the next one) and one backward (the oldest); then the leftover backwards.",
+    hints=("Warm up with min(p - 1 - stage, m) forwards; then for each remaining micro-batch one "
+         "forward (the next one) and one backward (the oldest); then the leftover backwards.",),
 ))
 
 
@@ -256,7 +256,7 @@ for _which, _name, _hint in (
         time_limit=5.0,  # a step takes well under a second; a message to the wrong peer hangs
         rtol=1e-9,
         atol=1e-12,
-        hint=_hint,
+        hints=(_hint,),
     )
 
 
@@ -297,6 +297,6 @@ register(Exercise(
     reference=_bubble_reference,
     harness=bubble_harness,
     points=1,
-    hint=("span = max(e.end) - min(e.start) over all events; per e.rank, busy = sum of e.end - "
-          "e.start; fraction = 1 - busy / span, for each stage; raise ValueError on []."),
+    hints=("span = max(e.end) - min(e.start) over all events; per e.rank, busy = sum of e.end - "
+          "e.start; fraction = 1 - busy / span, for each stage; raise ValueError on [].",),
 ))

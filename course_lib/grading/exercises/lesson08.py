@@ -55,8 +55,8 @@ register(Exercise(
     reference=_shard_range_reference,
     harness=shard_range_harness,
     points=1,
-    hint=("Every rank owns ceil(numel / world_size) elements, the last ones possibly padding: "
-          "rank r owns [r * size, (r + 1) * size). Never give the remainder to one rank."),
+    hints=("Every rank owns ceil(numel / world_size) elements, the last ones possibly padding: "
+          "rank r owns [r * size, (r + 1) * size). Never give the remainder to one rank.",),
 ))
 
 
@@ -98,10 +98,10 @@ register_on_sub_worlds(
     reference=_rs_reference,
     harness=rs_harness,
     points=2,
-    hint=("One dist.reduce_scatter(shard, chunks, group=group, async_op=async_op), with the "
+    hints=("One dist.reduce_scatter(shard, chunks, group=group, async_op=async_op), with the "
           "flat gradient cut into world_size equal chunks in rank order, then shard / "
           "world_size (the average, not the sum). With async_op, divide when the work is "
-          "waited for: return an object whose wait() waits and then divides (see Then)."),
+          "waited for: return an object whose wait() waits and then divides (see Then).",),
 )
 
 
@@ -150,9 +150,9 @@ register_on_sub_worlds(
     reference=_zero1_reference,
     harness=zero1_harness,
     points=2,
-    hint=("First optimizer.step() (it updates this rank's shards, which are views of the flat "
+    hints=("First optimizer.step() (it updates this rank's shards, which are views of the flat "
           "buffers), then one all_gather per bucket: all_gather_params(flat, shard.detach(), "
-          "layout, dist=dist, group=group), async and waited for at the end if you like."),
+          "layout, dist=dist, group=group), async and waited for at the end if you like.",),
 )
 
 
@@ -218,10 +218,10 @@ register_on_sub_worlds(
     reference=_unshard_reference,
     harness=unshard_harness,
     points=2,
-    hint=("Regrow the storage (flat.full.untyped_storage().resize_(flat.nbytes)), then "
+    hints=("Regrow the storage (flat.full.untyped_storage().resize_(flat.nbytes)), then "
           "all_gather_params(flat.alias, flat.shard.detach(), flat.layout, ...) and return its "
           "work. Gather into flat.alias, not flat.full: writing through full bumps its version "
-          "counter and autograd would refuse the tensors it saved in forward."),
+          "counter and autograd would refuse the tensors it saved in forward.",),
 )
 
 
@@ -260,7 +260,7 @@ register_on_sub_worlds(
     reference=_reduce_reference,
     harness=reduce_harness,
     points=2,
-    hint=("Take flat.full.grad and set it to None; reduce_scatter_grads it into a new tensor of "
+    hints=("Take flat.full.grad and set it to None; reduce_scatter_grads it into a new tensor of "
           "flat.layout.shard_numel elements with async_op=True; flat.free(); return (work, "
-          "reduced shard, the full gradient) so the gradient lives until it has been sent."),
+          "reduced shard, the full gradient) so the gradient lives until it has been sent.",),
 )

@@ -120,9 +120,9 @@ register(Exercise(
     reference=_atomic_reference,
     harness=atomic_harness,
     points=2,
-    hint=("Write to a temporary name in the same folder (open it with 'xb'), flush and "
+    hints=("Write to a temporary name in the same folder (open it with 'xb'), flush and "
           "os.fsync it, os.replace it onto `path`, then fsync_dir(path.parent); remove the "
-          "temporary file in a finally if something failed."),
+          "temporary file in a finally if something failed.",),
 ))
 
 
@@ -177,9 +177,9 @@ register(Exercise(
     reference=_plan_reference,
     harness=plan_harness,
     points=2,
-    hint=("For each saved piece [offset, offset + numel), intersect it with [start, stop): "
+    hints=("For each saved piece [offset, offset + numel), intersect it with [start, stop): "
           "lo = max(start, offset), hi = min(stop, offset + numel); if lo < hi it gives "
-          "(index, lo - offset, lo - start, hi - lo)."),
+          "(index, lo - offset, lo - start, hi - lo).",),
 ))
 
 
@@ -229,9 +229,9 @@ register(Exercise(
     reference=_checkpoints_reference,
     harness=checkpoints_harness,
     points=2,
-    hint=("List root, keep the folders named step-<digits>, keep those whose manifest "
+    hints=("List root, keep the folders named step-<digits>, keep those whose manifest "
           "checkpoint.read_manifest accepts (it raises CheckpointError otherwise), and sort by "
-          "the step as a number, newest first."),
+          "the step as a number, newest first.",),
 ))
 
 
@@ -263,7 +263,7 @@ register(Exercise(
     reference=_accumulation_reference,
     harness=accumulation_harness,
     points=1,
-    hint=("Each step takes micro_batch x world_size samples per micro-batch round: the count "
+    hints=("Each step takes micro_batch x world_size samples per micro-batch round: the count "
           "is global_batch // (micro_batch * world_size), and a ValueError when that does not "
-          "divide exactly (the global batch would change)."),
+          "divide exactly (the global batch would change).",),
 ))

@@ -72,9 +72,9 @@ register_on(
     harness=hook_harness,
     rtol=4e-3, atol=1e-6,  # the narrow type's rounding, summed in the transport's order
     points=2,
-    hint=("compressed = bucket.buffer().to(dtype).div_(world_size) (divide before the sum: the "
+    hints=("compressed = bucket.buffer().to(dtype).div_(world_size) (divide before the sum: the "
           "sum of large values overflows float16); all_reduce it asynchronously; in the "
-          "future's then(), copy the result back into the buffer (float32) and return it."),
+          "future's then(), copy the result back into the buffer (float32) and return it.",),
 )
 
 
@@ -118,9 +118,9 @@ register(Exercise(
     harness=feedback_harness,
     rtol=1e-12, atol=0.0,
     points=2,
-    hint=("acc = grad + error (grad alone when error is None, without changing grad); send the k "
+    hints=("acc = grad + error (grad alone when error is None, without changing grad); send the k "
           "entries of acc largest in absolute value (indices and acc's values there); the "
-          "residual is acc with those entries set to 0."),
+          "residual is acc with those entries set to 0.",),
 ))
 
 
@@ -180,9 +180,9 @@ register_on(
     harness=powersgd_harness,
     rtol=1e-9, atol=1e-11,
     points=3,
-    hint=("P = M Q for every matrix, all P's in ONE all_reduce (sum), orthogonalize_ each P; "
+    hints=("P = M Q for every matrix, all P's in ONE all_reduce (sum), orthogonalize_ each P; "
           "then Q = M^T P, all Q's in one all_reduce, divided by the world size; write Q back "
-          "into qs and P Q^T into each matrix."),
+          "into qs and P Q^T into each matrix.",),
 )
 
 
@@ -229,8 +229,8 @@ register(Exercise(
     harness=terms_harness,
     rtol=1e-12, atol=0.0,
     points=2,
-    hint=("Count on the slowest rank. ring: 2(p-1) messages, 2(p-1)/p n bytes, (p-1)/p n "
+    hints=("Count on the slowest rank. ring: 2(p-1) messages, 2(p-1)/p n bytes, (p-1)/p n "
           "added. tree: lg p' rounds of everything; rabenseifner: 2 lg p' messages and the "
           "ring's bytes over p'. p' is the largest power of two <= p; when p' < p, add the "
-          "fold: 2 messages of n bytes and one addition of n."),
+          "fold: 2 messages of n bytes and one addition of n.",),
 ))

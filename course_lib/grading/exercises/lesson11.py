@@ -57,10 +57,10 @@ register(Exercise(
     reference=_groups_reference,
     harness=groups_harness,
     points=2,
-    hint=("rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a tp group is tp consecutive ranks; "
+    hints=("rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a tp group is tp consecutive ranks; "
           "a dp group keeps pp_rank and tp_rank fixed (stride tp, inside one stage); a pp group "
           "keeps dp_rank and tp_rank fixed (stride dp * tp). Order each group by its coordinate "
-          "and the groups by their first rank."),
+          "and the groups by their first rank.",),
 ))
 
 
@@ -109,9 +109,9 @@ register(Exercise(
     harness=precision_harness,
     rtol=1e-6,
     points=2,
-    hint=("Run the module under torch.autocast('cpu', dtype=...) for bf16 and fp16 and return "
+    hints=("Run the module under torch.autocast('cpu', dtype=...) for bf16 and fp16 and return "
           "its output as float32; never cast the module itself (its fp32 weights are the "
-          "masters the optimizer updates). fp32 runs the module as it is."),
+          "masters the optimizer updates). fp32 runs the module as it is.",),
 ))
 
 
@@ -154,7 +154,7 @@ register(Exercise(
     reference=_scale_reference,
     harness=scale_harness,
     points=1,
-    hint=("On an overflow: scale * backoff_factor and the tracker back to 0 (the step is "
+    hints=("On an overflow: scale * backoff_factor and the tracker back to 0 (the step is "
           "skipped). Otherwise count the clean step; when the count reaches growth_interval, "
-          "scale * growth_factor and the count back to 0."),
+          "scale * growth_factor and the count back to 0.",),
 ))
