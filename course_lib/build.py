@@ -251,6 +251,8 @@ def expected_files(root: Path) -> dict[str, bytes]:
 
     for src in sorted((root / SOLUTIONS).glob("*.ipynb")):
         nb = with_nbgrader(_read(src), src.name)  # the source carries nbgrader's cell marks
+        for cell in nb.cells:  # when a cell last ran is history, not part of the lesson
+            cell.metadata.pop("execution", None)
         files[f"{SOLUTIONS}/{src.name}"] = _dump(nb)
         files[f"{NOTEBOOKS}/{src.name}"] = _dump(student_notebook(nb, src.name))
         for lang in translate.EDITIONS:  # a lesson's edition exists once it is translated
@@ -310,9 +312,29 @@ def stale(root: Path) -> list[str]:
     return problems
 
 
-def build(root: Path) -> list[str]:
-    """Write every stale or missing generated file and delete orphans; return what changed."""
+def _of_lessons(want: dict[str, bytes], root: Path, only: list[str]) -> dict[str, bytes]:
+    """The generated files that the lessons in `only` (stems or prefixes: "04", "04b") write:
+    their notebooks, their modules, and the components table."""
+    stems = {src.stem for src in (root / SOLUTIONS).glob("*.ipynb")
+             if any(src.stem == o or src.stem.startswith(o if "_" in o else o + "_")
+                    or src.stem.split("_")[0].rstrip("abcdefgh") == o for o in only)}
+    mine = {f"{PACKAGE}/components.py"}
+    for rel, data in want.items():
+        name = Path(rel).stem
+        if rel.endswith(".ipynb") and name in stems:
+            mine.add(rel)
+        elif rel.endswith(".py") and any(f"from {SOLUTIONS}/{s}.ipynb" in data[:200].decode(
+                "utf-8", "replace") for s in stems):
+            mine.add(rel)
+    return {rel: data for rel, data in want.items() if rel in mine}
+
+
+def build(root: Path, only: list[str] | None = None) -> list[str]:
+    """Write every stale or missing generated file and delete orphans; return what changed.
+    With `only` (lesson stems or numbers), write just those lessons' files, delete nothing."""
     want = expected_files(root)
+    if only:
+        want = _of_lessons(want, root, only)
     changed = []
     for rel, _ in _out_of_date(root, want):
         path = root / rel
@@ -322,7 +344,7 @@ def build(root: Path) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(want[rel])
         changed.append(f"wrote {rel}")
-    for rel in sorted(generated_on_disk(root) - set(want)):
+    for rel in sorted(generated_on_disk(root) - set(want)) if not only else []:
         (root / rel).unlink()
         changed.append(f"removed {rel}")
     return changed
@@ -335,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="change nothing; exit 1 listing stale, missing or orphan files")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="repository root (default: the one holding this package)")
+    parser.add_argument("--only", nargs="+", metavar="LESSON",
+                        help="write only these lessons' files (stems or numbers: 04 04b); "
+                             "for work on some lessons while others change")
     args = parser.parse_args(argv)
     try:
-        lines = stale(args.root) if args.check else build(args.root)
+        lines = stale(args.root) if args.check else build(args.root, args.only)
     except BuildError as exc:
         print(f"course-build: {exc}", file=sys.stderr)
         return 2

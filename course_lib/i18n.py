@@ -149,7 +149,7 @@ def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
     return found
 
 
-_LESSON_FILE = re.compile(r"course_lib/grading/exercises/(lesson\w+)\.py$")
+_LESSON_FILE = re.compile(r"course_lib/grading/(?:exercises|references)/(lesson\w+)\.py$")
 
 
 def catalogue_name(where: list[str]) -> str:

@@ -46,6 +46,13 @@ def _is_word(token: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z_]+", token))
 
 
+def _is_code(toks: tuple[str, ...]) -> bool:
+    """A run of tokens is code when it names something and holds an operator, a bracket or a
+    literal: English words alone are prose, numbers and brackets alone are a value."""
+    return (any(re.fullmatch(r"[A-Za-z_]\w*", t) for t in toks)
+            and not all(map(_is_word, toks)))
+
+
 def _code_only(line: str) -> str:
     """A line without its comment (a `#` outside strings), whitespace collapsed."""
     try:
@@ -102,11 +109,11 @@ class Expressions:
         kept, grams = set(), set()
         for line in lines:
             toks = tuple(tokens(line))
-            if len(toks) >= min_line and not all(map(_is_word, toks)):
+            if len(toks) >= min_line and _is_code(toks):
                 kept.add(toks)
             for i in range(len(toks) - run + 1):
                 gram = toks[i:i + run]
-                if not all(map(_is_word, gram)):
+                if _is_code(gram):
                     grams.add(gram)
         return cls(frozenset(kept), frozenset(grams), run)
 

@@ -26,7 +26,7 @@ LEARNER_LINES_BEFORE = 529
 # Code an exercise's solution shares with a cell above it that is not its answer, with why:
 # {(lesson, first line of the region): reason}. Each is a judgement, not a licence.
 NOT_LEAKS: dict[tuple[str, str], str] = {}
-DATED = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+DATED = re.compile(r"20\d\d-[01]\d-[0-3]\d")  # in prose, outputs or metadata
 
 
 @pytest.mark.parametrize("sol, lang", PAIRS, ids=IDS)

@@ -91,8 +91,12 @@ def case(*args: Any, expected: Any = _NOTSET, label: str | None = None, **kwargs
 class Exercise:
     """An exercise: the function the learner writes, its test cases, points and limits.
 
-    The expected value of a case is `case.expected` if given, else `reference(*args, **kwargs)`
-    (computed in the client, with RANK / WORLD_SIZE substituted per rank for distributed
+    The expected value of a case is `case.expected` if given, else `reference(*args, **kwargs)`.
+    A lesson's references live apart from its declaration, in
+    `course_lib/grading/references/lessonNN.py`, named here as "lessonNN:function" and imported
+    only where the judge runs: the processes that run a submission (its kernel, its engines) are
+    given a package without them, so no answer cell can compute what the judge expects
+    (computed by the judge, with RANK / WORLD_SIZE substituted per rank for distributed
     exercises: there it must not communicate). The learner's value is `fn(*args, **kwargs)`, or
     `harness(fn, *args, **kwargs)` when the function is tested through a wrapper (for example
     one that builds a tensor, calls `fn` on it in place and returns it); on the cluster the
@@ -103,7 +107,7 @@ class Exercise:
     notebook: str                      # the function the learner defines; notebook: "NN_stem"
     cases: tuple[Case, ...]
     params: tuple[str, ...] | None = None  # expected parameters, e.g. ("rank", "world_size", "n")
-    reference: Callable[..., Any] | None = None
+    reference: Callable[..., Any] | str | None = None  # a callable, or "lessonNN:function"
     points: float = 1.0
     # Shown only on request, `check(..., hint=1)` then `hint=2`: the idea or invariant, then
     # a step or a picture; never code, nor the index arithmetic that is the answer.
@@ -119,7 +123,7 @@ class Exercise:
     # Why a failing value is wrong, in the lesson's terms ("rank 2 ends with chunk 1 summed over
     # 2 of 3 ranks"): explain(case, rank, expected, got) -> str or None (then the generic
     # difference). Runs where the judge runs, on plain values.
-    explain: Callable[[Case, Any, Any, Any], str | None] | None = None
+    explain: Callable[[Case, Any, Any, Any], str | None] | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "cases", tuple(self.cases))
@@ -134,6 +138,11 @@ class Exercise:
             raise ValueError(f"{self.name}: needs at least one Case (use grading.case(...))")
         if self.reference is None and not all(c.has_expected for c in self.cases):
             raise ValueError(f"{self.name}: give a reference or an expected value for each case")
+        for what in ("reference", "explain"):
+            value = getattr(self, what)
+            if isinstance(value, str) and not _REFERENCE_NAME.match(value):
+                raise ValueError(f"{self.name}: {what}={value!r} must name a judge-side "
+                                 f"function as 'lessonNN:function'")
         if not self.points > 0 or not self.time_limit > 0:
             raise ValueError(f"{self.name}: points and time_limit must be positive")
         uses_rank = any(isinstance(v, _RankArg) for c in self.cases
@@ -151,7 +160,18 @@ class Exercise:
     def signature(self) -> str:
         return f"{self.function}({', '.join(self.params or ())})"
 
+    def judge_side(self, what: str) -> Callable[..., Any] | None:
+        """`reference` or `explain` as a callable: a "lessonNN:function" name is imported from
+        `course_lib.grading.references` (ModuleNotFoundError where a submission runs)."""
+        value = getattr(self, what)
+        if not isinstance(value, str):
+            return value
+        module, _, function = value.partition(":")
+        return getattr(importlib.import_module(f"{REFERENCES}.{module}"), function)
 
+
+REFERENCES = "course_lib.grading.references"  # the judge's side of every lesson
+_REFERENCE_NAME = re.compile(r"^lesson\w+:[A-Za-z_]\w*$")
 _REGISTRY: dict[str, Exercise] = {}
 
 

@@ -60,7 +60,7 @@ def expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None =
         args, kwargs = substitute(args, rank, world), substitute(kwargs, rank, world)
     with packaged_only():
         try:
-            return ex.reference(*args, **kwargs)
+            return ex.judge_side("reference")(*args, **kwargs)
         except Exception as exc:
             # In a release a stub's NotImplementedError may surface wrapped (a CheckpointError)
             if not isinstance(exc, NotImplementedError) and all(map(reference_shipped, COMPONENTS)):
@@ -111,7 +111,7 @@ def _explained(ex: Exercise, c: Case, rank: Any, want: Any, got: Any) -> str | N
     """The exercise's own reason for a wrong value, or None (its failure is not the learner's:
     the generic difference is shown instead)."""
     try:
-        why = ex.explain(c, rank, want, got)
+        why = ex.judge_side("explain")(c, rank, want, got)
     except Exception:  # noqa: BLE001 - a value too wrong for the explanation to read
         return None
     return str(why)[:MAX_TEXT] if why else None

@@ -6,21 +6,9 @@ from __future__ import annotations
 from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
 
 
-def _shard_sum(rank: int, world_size: int, n: int) -> int:
-    """The sum of this rank's shard: torch.tensor_split gives the first n % world_size ranks
-    one more, the balanced contiguous split the exercise asks for."""
-    import torch
-
-    return int(torch.tensor_split(torch.arange(n), world_size)[rank].sum())
-
-
 def shard_sum_harness(fn, rank: int, world_size: int, k: int, n: int):
     """Ranks 0..k-1 of the grader's cluster play a world of k; the others sit out (None)."""
     return fn(rank, k, n) if rank < k else None
-
-
-def _reference(rank: int, world_size: int, k: int, n: int):
-    return _shard_sum(rank, k, n) if rank < k else None
 
 
 def _total(values: list) -> int:
@@ -39,7 +27,7 @@ register(Exercise(
         case(RANK, WORLD_SIZE, 4, 14, label="4 ranks, n=14 (remainder 2)"),
         case(RANK, WORLD_SIZE, 4, 0, label="4 ranks, n=0 (nothing to sum)"),
     ],
-    reference=_reference,
+    reference="lesson00:shard_sum",
     harness=shard_sum_harness,
     total=_total,
     points=2,
