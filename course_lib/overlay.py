@@ -117,8 +117,10 @@ def student_cells(nb, name: str) -> dict[str, list[tuple[int, str, str]]]:
     return cells
 
 
-def export(lesson: str, notebook: str | os.PathLike | None = None) -> list[Path]:
-    """Write a lesson's export cells, as the learner's notebook holds them, into the overlay.
+def export(lesson: str, notebook: str | os.PathLike | None = None, *,
+           into: Path | None = None) -> list[Path]:
+    """Write a lesson's export cells, as the learner's notebook holds them, into the overlay
+    (this learner's, or the one in `into`: course-grade's for a submission).
 
     Returns the modules written. Raises FileNotFoundError without the notebook, and BuildError
     naming the cell when a cell cannot be exported (a syntax error, say)."""
@@ -139,7 +141,7 @@ def export(lesson: str, notebook: str | os.PathLike | None = None) -> list[Path]
         rel, text = module_text(module, cells[module], f"notebooks/{path.name}",
                                 header=OVERLAY_HEADER)
         compile(text, rel, "exec")  # a syntax error names the learner's file, not ours
-        target = home() / rel
+        target = (into or home()) / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(text, encoding="utf-8")

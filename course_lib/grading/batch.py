@@ -31,7 +31,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import run_sync
 
 from course_lib.cluster import zygote
-from course_lib.grading import containment, judge, plain, rebuild
+from course_lib.grading import containment, judge, plain, rebuild, sandbox
 from course_lib.grading.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.grading.learner import GRADING_ENV
 from course_lib.i18n import LANG_ENV, _, language, language_of
@@ -115,8 +115,16 @@ class KernelSession:
 
     def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits()) -> None:
         """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
-        sockets in the folder `sockets`."""
+        sockets in the folder `sockets`; in a PID namespace of its own where Linux allows."""
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        name = containment.contained_kernel(sockets / "kernels")
+        if name is not None:
+            self.client.kernel_name = name
         self.client.km = self.client.create_kernel_manager()
+        if name is not None:
+            self.client.km.kernel_spec_manager = KernelSpecManager(
+                kernel_dirs=[str(sockets / "kernels")])
         # A submission's engines are forked inside its containment (limits, this subreaper),
         # by its kernel's own zygote, never by a zygote shared with anything else.
         env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
@@ -306,14 +314,23 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
             error = _("grader error: {error}", error=exc)
     if error:
         return rows([(ex, 0.0, error) for ex in exercises])
-    nb.cells = [c for c in nb.cells if c.cell_type == "code"]
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
     (work / "cwd").mkdir()
+    token = secrets.token_hex(16)
     session = KernelSession(nb, work / "cwd")
     try:
-        # The package's reference components, never a learner's overlay on this machine
-        session.start(dict(env, **{GRADING_ENV: "1", USE_ENV: "reference",
-                                   HOME_ENV: str(work / "home")}), work, limits)
+        for ex in exercises:  # before the submission runs, and only here
+            judge.prepare(ex)
+        # The kernel and its engines import an answer-free package: the graded lesson's
+        # components are the submission's own, the others the reference; no judge's side.
+        sandbox.answer_free(work / "pkg", name, source)
+        mine = sandbox.learner_components(nb, name, work / "home")
+        nb.cells = [c for c in nb.cells if c.cell_type == "code"]
+        path = os.pathsep.join(filter(None, [str(work / "pkg"), env.get("PYTHONPATH")]))
+        session.start(dict(env, **{GRADING_ENV: "1", HOME_ENV: str(work / "home"),
+                                   USE_ENV: ",".join(["reference", *(f"{m}=mine" for m in mine)]),
+                                   "PYTHONPATH": path, containment.SUBMISSION_ENV: token}),
+                      work, limits)
         note, fatal = _run_notebook(session, list(nb.cells), limits.notebook_timeout)
         if fatal:
             return rows([(ex, 0.0, changed + fatal) for ex in exercises])
@@ -324,6 +341,9 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
                      for ex in exercises])
     finally:
         session.close()
+        # Whatever escaped the namespace's end (or every process, where there is none) is
+        # ended here: nothing of this submission runs when its row is written.
+        containment.end_marked(token)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -360,8 +380,12 @@ class Results:
         writer.writeheader()
         writer.writerows(self.rows)
         for name, text in zip(self.NAMES, (buf.getvalue(), json.dumps(self.rows, indent=1) + "\n")):
-            tmp = self.dir / f".{name}.tmp"
-            tmp.write_text(text, encoding="utf-8")
+            tmp = self.dir / f".{name}.{secrets.token_hex(8)}.tmp"
+            # a new file of ours (never one planted there, nor a link out of the folder)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                         0o644)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
             os.replace(tmp, self.dir / name)
             self._written[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -407,6 +431,10 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
     for pid in ledger.end_leftovers():
         progress(f"ended PID {pid}, left running by an interrupted course-grade")
     containment.adopt_orphans()
+    if containment.namespace_command() is None:
+        progress("warning: this machine allows no PID namespace (Linux's unshare, as root or "
+                 "with user namespaces): a submission's processes are ended by their marker "
+                 "instead (docs/instructors.md, What the grader assumes)")
     results = Results(out, _previous(out) if resume else [])
     results.write()  # an interrupted run may have replaced one file and not the other
     done = {r["notebook"] for r in results.rows}

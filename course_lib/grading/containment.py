@@ -1,6 +1,13 @@
-"""Keeping a submission's kernel in bounds: resource limits, escaped processes found again,
-and a ledger of the run's token so that a grader killed outright leaves nothing running after
-its next start.
+"""Keeping a submission's kernel in bounds: a PID namespace of its own, resource limits,
+escaped processes found again, and a ledger of the run's token so that a grader killed outright
+leaves nothing running after its next start.
+
+Where Linux allows it (root, or unprivileged user namespaces), the kernel runs as the first
+process of a PID namespace of its own (`unshare --pid --fork --kill-child --mount-proc`):
+everything the submission starts, double-forked daemons that ignore or answer signals
+included, lives in that namespace, and when the kernel ends (or `unshare` is killed) the Linux
+kernel kills every process in it at once. No process of a submission can outlive its grading.
+Elsewhere the weaker means below are all there is, and `course-grade` says so.
 
 A kernel gets an address-space and a file-size limit (inherited by everything it starts), so
 exhausting memory or writing a huge file fails inside the submission. The grader makes itself
@@ -14,10 +21,14 @@ the grader was killed included), and nothing else: the ledger names no process.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import resource
 import secrets
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +37,10 @@ import psutil
 from course_lib.processes import end_processes
 
 PR_SET_CHILD_SUBREAPER = 36
+NAMESPACE = ("--pid", "--fork", "--kill-child", "--mount-proc")
+AS_USER = ("--user", "--map-root-user")  # unprivileged: a user namespace first
+KERNEL_NAME = "course-grade-contained"
+SUBMISSION_ENV = "COURSE_GRADE_SUBMISSION"  # in every process of one submission
 TOKEN_ENV = "COURSE_GRADE_RUN"  # in every kernel's environment: which run started it
 LEDGER = ".course-grade-pids.json"
 
@@ -91,3 +106,62 @@ class Ledger:
         end_processes(ours, grace=2.0, reap=False)
         self.clear()
         return [pid for pid, _ in ours]
+
+
+@functools.lru_cache(maxsize=1)
+def namespace_command() -> tuple[str, ...] | None:
+    """The command prefix that runs a program as the first process of a new PID namespace
+    (with its own /proc), or None where this machine allows none."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not sys.platform.startswith("linux"):
+        return None
+    for extra in ((), AS_USER):
+        command = (unshare, *extra, *NAMESPACE)
+        try:
+            if subprocess.run([*command, "true"], capture_output=True, timeout=10).returncode == 0:
+                return command
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+def contained_kernel(folder: Path, python: str = sys.executable) -> str | None:
+    """Write a kernel spec under `folder` that starts an IPython kernel in a PID namespace of
+    its own (interrupted by message: a signal would stop at `unshare`); returns its name, or
+    None where no namespace can be made."""
+    command = namespace_command()
+    if command is None:
+        return None
+    spec = {"argv": [*command, python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "course-grade (contained)", "language": "python",
+            "interrupt_mode": "message"}
+    target = Path(folder) / KERNEL_NAME
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "kernel.json").write_text(json.dumps(spec, indent=1))
+    return KERNEL_NAME
+
+
+def marked(token: str, key: str = SUBMISSION_ENV) -> list[psutil.Process]:
+    """Every process whose environment carries `key` = `token` (one submission's processes)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get(key) == token:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def end_marked(token: str, key: str = SUBMISSION_ENV, grace: float = 2.0) -> list[int]:
+    """End every process that carries the submission's token; returns their PIDs."""
+    found = [(p.pid, p.create_time()) for p in marked(token, key) if _alive(p)]
+    end_processes(found, grace=grace, reap=True)
+    return [pid for pid, _ in found]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -48,6 +48,18 @@ def released_expected(ex: Exercise, c: Case, rank: int | None, world: int | None
     return entry["cases"][index][rank]
 
 
+_PREPARED: dict[tuple[int, int, int | None, int | None], Any] = {}
+
+
+def prepare(ex: Exercise) -> None:
+    """Compute every expected value of `ex` now and keep it for `judge` (course-grade does
+    this before a submission runs, so nothing it does on the machine can change them)."""
+    world = ex.world_size if ex.distributed else None
+    for i, c in enumerate(ex.cases):
+        for rank in (range(world) if world else [None]):
+            _PREPARED[(id(ex), i, rank, world)] = expected(ex, c, rank, world)
+
+
 def expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None = None) -> Any:
     """The expected value, from the packaged reference only (never the learner's overlay)."""
     from course_lib.components import COMPONENTS
@@ -55,6 +67,9 @@ def expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None =
 
     if c.has_expected:
         return c.expected
+    index = next((i for i, x in enumerate(ex.cases) if x is c), None)
+    if (id(ex), index, rank, world) in _PREPARED:
+        return copy.deepcopy(_PREPARED[(id(ex), index, rank, world)])
     args, kwargs = copy.deepcopy((c.args, c.kwargs))
     if rank is not None:
         args, kwargs = substitute(args, rank, world), substitute(kwargs, rank, world)
@@ -107,6 +122,29 @@ def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float,
                status)
 
 
+def strays(links: list[dict | None]) -> dict[int, str]:
+    """{rank: why} for every rank whose messages in a case were not all received (or that
+    waited for one nobody sent), from each rank's `case_links()`."""
+    sent: dict[tuple[int, int, int], int] = {}
+    got: dict[tuple[int, int, int], int] = {}
+    for rank, mine in enumerate(links):
+        for peer, tag, n in (mine or {}).get("sent", []):
+            sent[(rank, peer, tag)] = sent.get((rank, peer, tag), 0) + n
+        for peer, tag, n in (mine or {}).get("received", []):
+            got[(peer, rank, tag)] = got.get((peer, rank, tag), 0) + n
+    found: dict[int, str] = {}
+    for (src, dst, tag) in sorted(set(sent) | set(got)):
+        extra = sent.get((src, dst, tag), 0) - got.get((src, dst, tag), 0)
+        if extra > 0:
+            found.setdefault(src, _("rank {rank} sent {n} message(s) to rank {peer} (tag {tag}) "
+                                    "that nobody received", rank=src, n=extra, peer=dst, tag=tag))
+        elif extra < 0:
+            found.setdefault(dst, _("rank {rank} waited for {n} message(s) from rank {peer} "
+                                    "(tag {tag}) that nobody sent", rank=dst, n=-extra,
+                                    peer=src, tag=tag))
+    return found
+
+
 def _explained(ex: Exercise, c: Case, rank: Any, want: Any, got: Any) -> str | None:
     """The exercise's own reason for a wrong value, or None (its failure is not the learner's:
     the generic difference is shown instead)."""
@@ -124,6 +162,11 @@ def _rows(ex: Exercise, c: Case, outs: list[dict], limit: float) -> list[Row]:
     world = len(outs)
     want = [expected(ex, c, r, world) for r in range(world)]
     rows = [_outcome_row(r, out, want[r], ex, limit, c) for r, out in enumerate(outs)]
+    for rank, why in strays([out.get("links") for out in outs]).items():
+        if 0 <= rank < len(rows):  # a message left over is this case's failure, on its sender
+            row = rows[rank]
+            row.note = why if row.passed or not row.note else f"{row.note}; {why}"
+            row.passed, row.outcome, row.sat_out = False, Outcome.WRONG, False
     if ex.total is not None:
         if all(o["status"] == Outcome.RETURNED and "unplain" not in o for o in outs):
             rows.append(_outcome_row("all", {"status": Outcome.RETURNED,
@@ -199,6 +242,23 @@ def _text(value: Any, what: str) -> str:
     return value[:MAX_TEXT]
 
 
+MAX_LINKS = 256  # (peer, tag) pairs one rank may report per case
+
+
+def _links(value: Any, where: str) -> dict:
+    """A rank's record of its messages (`sub_worlds.case_links`), checked: two lists of
+    [peer, tag, count] triples of small non-negative integers."""
+    if not isinstance(value, dict) or set(value) != {"sent", "received"}:
+        raise Malformed(f"{where}: links must hold 'sent' and 'received'")
+    for kind, triples in value.items():
+        if not isinstance(triples, list) or len(triples) > MAX_LINKS or not all(
+                isinstance(t, list) and len(t) == 3 and all(
+                    type(x) is int and 0 <= x < 2 ** 31 for x in t) for t in triples):
+            raise Malformed(f"{where}: links {kind!r} must be at most {MAX_LINKS} "
+                            f"[peer, tag, count] triples")
+    return {kind: [list(t) for t in triples] for kind, triples in value.items()}
+
+
 def validated(ex: Exercise, doc: Any) -> tuple[str, list[dict]]:
     """(why the function was not called or "", its outcomes) from a document a kernel wrote,
     checked field by field against what `learner.collect` writes for `ex`."""
@@ -239,6 +299,8 @@ def validated(ex: Exercise, doc: Any) -> tuple[str, list[dict]]:
                 keep.setdefault("note", "no result")
             if isinstance(out.get("stopped"), bool):
                 keep["stopped"] = out["stopped"]
+            if "links" in out:
+                keep["links"] = _links(out["links"], f"case {i}, call {r}")
             outs.append(keep)
         clean.append({"outs": outs, "halt": _text(case["halt"], "the halt note")})
     return "", clean

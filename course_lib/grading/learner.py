@@ -13,6 +13,7 @@ import copy
 import ctypes
 import inspect
 import os
+import secrets
 import sys
 import threading
 import traceback
@@ -59,13 +60,19 @@ def guarded_call(fn: Callable, harness: Callable | None, args: tuple, kwargs: di
                 "where": learner_frame(exc)}
 
 
-def _on_rank(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict) -> dict:
-    """Engine side: call `fn` with RANK / WORLD_SIZE replaced by this engine's values."""
+def _on_rank(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict,
+             serial: int = 0) -> dict:
+    """Engine side: call `fn` with RANK / WORLD_SIZE replaced by this engine's values, in the
+    case's own message tags, and note who this rank sent to and received from."""
     from course_lib.cluster import get_rank, get_world_size
+    from course_lib.grading import sub_worlds
 
     rank, world = get_rank(), get_world_size()
-    return guarded_call(fn, harness, substitute(args, rank, world),
-                        substitute(kwargs, rank, world))
+    sub_worlds.begin_case(serial)
+    out = guarded_call(fn, harness, substitute(args, rank, world),
+                       substitute(kwargs, rank, world))
+    links = sub_worlds.case_links()
+    return out if links is None else dict(out, links=links)
 
 
 def call_with_limit(fn: Callable, harness: Callable | None, args: tuple, kwargs: dict,
@@ -109,14 +116,15 @@ def _collect_local(ex: Exercise, c: Case, fn: Callable, limit: float) -> dict:
     return {"outs": [call_with_limit(fn, ex.harness, args, kwargs, limit)], "halt": ""}
 
 
-def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float) -> dict:
+def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: float,
+                     serial: int = 0) -> dict:
     """Each rank's outcome, and why the remaining cases cannot run, if so."""
     from course_lib.cluster import ClusterError, EngineDied, RankError, RankTimeout
 
     world = cluster.world_size
     halt = ""
     try:
-        outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, timeout=limit)
+        outs = cluster.run(_on_rank, fn, ex.harness, c.args, c.kwargs, serial, timeout=limit)
     except RankTimeout as exc:
         outs = [{"status": Outcome.TIMEOUT} if r in exc.failures else
                 {"status": Outcome.LOST, "note": _("finished, but other ranks hung")}
@@ -156,8 +164,9 @@ def collect(ex: Exercise, fn: Callable, cluster: Any, limit: float) -> list[dict
                            "course_lib.cluster.start(...)", name=ex.name,
                            call=f"check({ex.name!r}, {ex.function}, cluster=c)"))
     found = []
-    for c in ex.cases:
-        found.append(_collect_cluster(ex, c, fn, cluster, limit) if ex.distributed
+    first = secrets.randbelow(2 ** 14)  # each case's message tags differ from the last check's
+    for i, c in enumerate(ex.cases):
+        found.append(_collect_cluster(ex, c, fn, cluster, limit, first + i) if ex.distributed
                      else _collect_local(ex, c, fn, limit))
         statuses = {out["status"] for out in found[-1]["outs"]}
         if found[-1]["halt"] or statuses & {Outcome.NOT_IMPLEMENTED, Outcome.TIMEOUT}:

@@ -40,23 +40,61 @@ def register_on_sub_worlds(name: str, notebook: str, **fields: Any) -> None:
 
 
 P2P = {"send": "sent", "isend": "sent", "recv": "received", "irecv": "received"}
+# Each case of a check talks in tags of its own: a message a case leaves behind can never be
+# received by the next one (it stays that case's fault, named by `strays`).
+CASE_TAGS, CASE_SPAN, CASES = 2 ** 30, 2 ** 16, 2 ** 14
+_case: dict = {"serial": 0, "links": None}
+
+
+def begin_case(serial: int) -> None:
+    """Engine side, before a case's call on every rank: its tag space, and an empty record of
+    who sent what to whom."""
+    _case["serial"], _case["links"] = serial % CASES, None
+
+
+def case_links() -> dict | None:
+    """This rank's messages in the case so far, as plain lists: {"sent": [[dst, tag, n]],
+    "received": [[src, tag, n]]} by global rank and the tag the learner's code used; None
+    when it sent and received nothing through `counting_messages`."""
+    links = _case["links"]
+    if links is None:
+        return None
+    return {kind: [[peer, tag, n] for (peer, tag), n in sorted(links[kind].items())]
+            for kind in ("sent", "received")}
+
+
+def _case_tag(tag: int) -> int:
+    """The wire tag of a learner's tag inside this case (tags past the case span stay shared)."""
+    return CASE_TAGS + _case["serial"] * CASE_SPAN + tag if 0 <= tag < CASE_SPAN else tag
 
 
 @contextmanager
 def counting_messages() -> Iterator[dict]:
     """Count calls of course_lib.dist's send/isend/recv/irecv made inside the block, and the
-    elements sent: for learner code that calls the module `dist` itself, not a given `dist=`."""
+    elements sent: for learner code that calls the module `dist` itself, not a given `dist=`.
+    Messages travel in the current case's own tags, and each is noted per peer and tag."""
     from course_lib import dist
 
     counts = {"sent": 0, "received": 0, "elements sent": 0}
     saved = {name: getattr(dist, name) for name in P2P}
+    if _case["links"] is None:
+        _case["links"] = {"sent": {}, "received": {}}
+    links = _case["links"]
 
     def counted(name):
+        kind = P2P[name]
+        params = ("dst" if kind == "sent" else "src", "group", "tag")
+
         def call(tensor, *args, **kwargs):
-            counts[P2P[name]] += 1
-            if P2P[name] == "sent":
+            counts[kind] += 1
+            if kind == "sent":
                 counts["elements sent"] += tensor.numel()
-            return saved[name](tensor, *args, **kwargs)
+            bound = dict(zip(params, args), **kwargs)  # torch's names, as the learner may
+            peer, tag = bound.get(params[0]), bound.get("tag", 0)
+            if isinstance(peer, int) and isinstance(tag, int):
+                links[kind][(peer, tag)] = links[kind].get((peer, tag), 0) + 1
+                bound["tag"] = _case_tag(tag)
+            return saved[name](tensor, **bound)
         return call
 
     for name in P2P:
