@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from course_lib.build import student_notebook
+from tagged import tagged_processes
 from course_lib.grading import batch, cli
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,24 @@ WORDS_SPLIT_SPACE = "def count_words(text):\n    return len(text.split(' '))"
 WORDS_OK = "def count_words(text):\n    return len(text.split())"
 
 
+HANG = "COURSE_GRADE_TEST_HANG"  # in the hanging child's environment: found by it afterwards
+
+
 def spawn_and_hang(pids: Path) -> str:
-    """Answer-cell code that starts a child, notes both PIDs in `pids`, and hangs."""
+    """Answer-cell code that starts a child (marked in its environment), notes both PIDs as
+    the kernel sees them in `pids` (in a PID namespace of its own, the kernel is 1), and hangs."""
     return ("import os, subprocess, time\n"
-            "child = subprocess.Popen(['sleep', '300'])\n"
+            f"child = subprocess.Popen(['sleep', '300'], env=dict(os.environ, {HANG}='1'))\n"
             f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
             "time.sleep(600)")
+
+
+def _kernel_seen(kernel_pid: int, kernels: list[int]) -> bool:
+    """The PID the submission's kernel saw as its own: 1 in a PID namespace of its own, else
+    one of the kernels the grader started."""
+    from course_lib.grading import containment
+
+    return kernel_pid == 1 if containment.namespace_command() else kernel_pid in kernels
 
 
 def _make(path: Path, *, release: bool = False, edit: dict | None = None,
@@ -166,10 +179,11 @@ def test_notebook_timeout_then_graded_on_what_it_defined(graded):
 
 def test_no_process_left_behind(graded):
     kernel_pid, child_pid = map(int, (graded["subs"] / "ivy" / "pids.txt").read_text().split())
-    assert kernel_pid in graded["kernels"]
+    assert _kernel_seen(kernel_pid, graded["kernels"])
     assert len(graded["kernels"]) == 7  # every submission but the invalid file got a kernel
-    for pid in graded["kernels"] + [child_pid]:
+    for pid in graded["kernels"]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+    assert tagged_processes(HANG) == []  # the child it started, wherever its PID came from
 
 
 def test_results_written_after_each_submission(graded):
@@ -234,7 +248,5 @@ def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
     rows = json.loads((tmp_path / "out" / "grades.json").read_text())
     assert [(r["student"], r["points"]) for r in rows] == [("a_97_fixture", 2.0),
                                                             ("a_97_fixture", 1.0)]
-    kernel_pid, child_pid = map(int, pids.read_text().split())
-    gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"
-            for p in (kernel_pid, child_pid)]
-    assert gone == [True, True]
+    assert len(pids.read_text().split()) == 2  # the kernel and its child had started
+    assert tagged_processes(HANG) == []
