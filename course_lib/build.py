@@ -268,6 +268,10 @@ def expected_files(root: Path) -> dict[str, bytes]:
         found.update(dict.fromkeys(components(nb, src.name), src.stem))
     if found:
         files[f"{PACKAGE}/components.py"] = components_text(found).encode()
+    from course_lib.bench import report  # the benchmark page, from the runs kept in docs/bench
+
+    for path, text in report.pages(root / "docs" / "bench").items():
+        files[path.relative_to(report.ROOT).as_posix()] = text.encode()
     return files
 
 

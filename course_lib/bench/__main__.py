@@ -1,4 +1,5 @@
-"""Command line: `python -m course_lib.bench {allreduce,ddp,tp,pipeline,zero,checkpoint,train} ... --json FILE`."""
+"""Command line: `python -m course_lib.bench {allreduce,ddp,tp,pipeline,zero,checkpoint,train}
+... --json FILE`, and `python -m course_lib.bench report` (the page of the kept runs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,24 @@ from course_lib.bench.common import format_table, write_json
 BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train")
 
 
+def without_outputs(argv: list[str]) -> list[str]:
+    """The command's arguments without where it writes (`--json FILE`, `--plot FILE`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--json", "--plot"):
+            skip = True
+        elif not arg.startswith(("--json=", "--plot=")):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # the page of every kept run, not a benchmark
+        from course_lib.bench import report
+        return report.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__)
     sub = parser.add_subparsers(dest="name", required=True)
     modules = {}
@@ -32,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = mod.run(args)
     print(format_table(rows))
     if args.json:
-        write_json(args.json, args.name, rows, vars(args))
+        write_json(args.json, args.name, rows, vars(args), without_outputs(argv))
     if args.plot and hasattr(mod, "plot"):
         mod.plot(rows, args.plot)
     return 0

@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from typing import Any, Iterable, Sequence
 
 
@@ -30,25 +29,48 @@ def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
     return [max(times) for times in zip(*per_rank_seconds)]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo, else what the platform says)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mpi_version() -> str | None:
+    """The MPI library mpi4py runs on (its first line), or None without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
 def metadata() -> dict[str, Any]:
-    """What a reader needs to judge the figures: machine, versions, date."""
+    """What a reader needs to judge the figures: the machine and the versions (no date and no
+    host name: the page that shows them carries no history)."""
     import torch
 
     return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "mpi": mpi_version(),
     }
 
 
-def write_json(path: str, name: str, rows: list[dict], args: dict[str, Any]) -> None:
-    """Write {"benchmark", "args", "meta", "rows"} so a run can be re-plotted or compared later."""
+def write_json(path: str, name: str, rows: list[dict], args: dict[str, Any],
+               argv: list[str] | None = None) -> None:
+    """Write {"benchmark", "argv", "args", "meta", "rows"}, so a run can be re-plotted, compared
+    or reported later (`course_lib.bench.report`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"benchmark": name, "args": args, "meta": metadata(), "rows": rows}, f,
-                  indent=1, default=str)
+        json.dump({"benchmark": name, "argv": argv, "args": args, "meta": metadata(),
+                   "rows": rows}, f, indent=1, default=str)
 
 
 def format_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:

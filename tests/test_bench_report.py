@@ -1,0 +1,45 @@
+"""The benchmark page: generated from kept runs, in both languages, in a format that does not
+drift; targets judged from same-run ratios; no dates."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from course_lib.bench import report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+
+
+def test_the_page_is_what_the_fixture_runs_give():
+    """Regenerated from fixture JSON, the page equals the reviewed one, word for word: a change
+    of format shows here first (update tests/fixtures/bench/expected*.md deliberately)."""
+    found = report.runs(FIXTURES)
+    assert report.page(found, "en") == (FIXTURES / "expected.md").read_text()
+    assert report.page(found, "es") == (FIXTURES / "expected.es.md").read_text()
+
+
+def test_targets_are_judged_from_same_run_ratios():
+    run = json.loads((FIXTURES / "allreduce-w2.json").read_text())
+    figures = {f.what: f for f in report._allreduce(run["rows"])}
+    mpi_16 = figures["ours / mpi at 16 MiB"]
+    assert abs(mpi_16.value - 3.0e-3 / 2.4e-3) < 1e-12 and mpi_16.limit == 1.2
+    assert mpi_16.met is False and figures["ours / mpi at 4 KiB"].met is True
+    text = report.page({"allreduce-w2": run})
+    assert "| ours / mpi at 16 MiB | 1.25x | <= 1.2x | **missed** |" in text
+    assert "Missed in this run: 1 of 6 targets." in text
+
+
+def test_the_command_and_the_machine_are_on_the_page_and_no_date():
+    text = report.page(report.runs(FIXTURES))
+    assert "python -m course_lib.bench zero --world 2" in text
+    assert "Machine: 2 cores, Test CPU @ 2.0GHz, Python 3.11.7, torch 2.13.0, MPICH" in text
+    assert not re.search(r"20\d\d-\d\d-\d\d", text)
+
+
+def test_the_kept_page_is_current():
+    """docs/benchmarks.md is what `python -m course_lib.bench report` writes from docs/bench/
+    (course.py build --check says the same)."""
+    for path, text in report.pages().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is stale: regenerate it"
