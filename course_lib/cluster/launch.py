@@ -1,0 +1,121 @@
+"""Launching a cluster's processes: ipyparallel's controller, engines forked from the zygote,
+and what every local engine's watchdog needs to end itself with its client."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+import psutil
+
+from course_lib.cluster import zygote
+from course_lib.cluster.errors import ClusterError
+from course_lib.i18n import _
+from course_lib.processes import ProcessSet
+
+POLL_SECONDS = 0.05
+
+
+def check_options(n: int, backend: str, engines: str, timeout: float, run_timeout: float,
+                  joining: int, ipp_kwargs: dict) -> None:
+    """ValueError for a cluster that cannot be started as asked, before anything starts."""
+    from course_lib import backend as backends
+
+    backends.check_backend(backend, engines)
+    if not (timeout > 0 and run_timeout > 0):
+        raise ValueError("timeout and run_timeout must be positive seconds")
+    if isinstance(joining, bool) or not isinstance(joining, int) or not 0 <= joining <= n:
+        raise ValueError(f"joining must be a number of engines from 0 to n={n}, "
+                         f"got {joining!r}")
+    if joining and ipp_kwargs.get("controller_ip", "127.0.0.1").startswith("127."):
+        raise ValueError("engines joining from other machines need controller_ip: an "
+                         "address of this machine that they reach (or \"0.0.0.0\" with "
+                         "controller_location)")
+
+
+def launched(ipp_cluster: Any) -> list:
+    """The controller's and engine launchers' processes (their descendants are noted too)."""
+    if ipp_cluster is None:
+        return []
+    roots = [ipp_cluster.controller] + list(ipp_cluster.engines.values())
+    return [getattr(sub, "process", None) for launcher in roots if launcher is not None
+            for sub in getattr(launcher, "launchers", {}).values() or [launcher]]
+
+
+def ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any:
+    """An ipyparallel Cluster of `n` engines (not started): quiet, loopback for local engines
+    unless others join from other hosts, stopped at exit; `ipp_kwargs` override."""
+    import ipyparallel as ipp
+
+    if engines == "mpi":  # the mpich wheel's mpiexec sits next to this Python
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    kwargs = dict(n=n, engines=engines, log_level=logging.ERROR,
+                  cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True,
+                  # An engine counts as registered at its first heartbeat: at ipyparallel's
+                  # 3 s period that is most of a start; at 1 s, with 3x the misses allowed,
+                  # a start is 3 s shorter and a silent engine is still given 30 s.
+                  controller_args=["--HeartMonitor.period=1000",
+                                   "--HeartMonitor.max_heartmonitor_misses=30"])
+    if engines == "local":  # forked from the zygote, as the engines are
+        from course_lib.cluster.launchers import ForkedControllerLauncher
+
+        kwargs["controller_launcher_class"] = ForkedControllerLauncher
+        if not joining:
+            kwargs["controller_ip"] = "127.0.0.1"
+    extra = list(ipp_kwargs.get("controller_args", []))  # e.g. "--IPController.ports=..."
+    return ipp.Cluster(**{**kwargs, **ipp_kwargs,
+                          "controller_args": kwargs["controller_args"] + extra})
+
+
+def engine_file(ipp: Any) -> str:
+    """The engine connection file the controller writes (its addresses and key)."""
+    return os.path.join(ipp.profile_dir, "security", f"ipcontroller-{ipp.cluster_id}-engine.json")
+
+
+def _connection_file_ready(path: str) -> bool:
+    """Whether the controller has written its engine connection file in full."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "key" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def fork_engines(ipp: Any, n: int, timeout: float, procs: ProcessSet) -> None:
+    """Start `n` local engines from the zygote, once the controller has written where to
+    register; each one's output goes to the profile's log folder, as ipyparallel's own."""
+    path, deadline = engine_file(ipp), time.monotonic() + timeout
+    while not _connection_file_ready(path):
+        if time.monotonic() > deadline or not ipp.controller.running:
+            raise ClusterError(_("the controller did not start within {limit}s",
+                                 limit=f"{timeout:g}"))
+        time.sleep(POLL_SECONDS)
+    os.makedirs(os.path.join(ipp.profile_dir, "log"), exist_ok=True)
+    argv = [f"--file={path}", f"--profile-dir={ipp.profile_dir}",
+            f"--cluster-id={ipp.cluster_id}", "--log-level=ERROR"]
+    for i in range(n):
+        log_file = os.path.join(ipp.profile_dir, "log", f"ipengine-{ipp.cluster_id}-{i}.log")
+        procs.add(zygote.fork(argv, log_file))
+
+
+def watchdog(recorded: list) -> dict:
+    """What each local engine's watchdog needs: this client process, and what to end."""
+    me = psutil.Process()
+    return dict(client_pid=me.pid, client_created=me.create_time(), pids=recorded)
+
+
+def shut_down_remote(client: Any, remote_ids: list[int], wait: float = 3.0) -> None:
+    """Ask the live engines on other hosts to exit (their `course.py engines` then exits too),
+    and wait until they unregister: ending the controller sooner would drop the request."""
+    remote = set(remote_ids) & set(client.ids)
+    if not remote:
+        return
+    client.shutdown(targets=sorted(remote), block=False)
+    deadline = time.monotonic() + wait
+    while remote & set(client.ids) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
