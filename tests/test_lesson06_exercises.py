@@ -38,10 +38,12 @@ def _shard_interleaved(tensor, dim, rank, world_size, parts=1):
 
 
 def test_shard_exercise_scores_solution_and_rejects_wrong_shards():
-    assert grade_function("lesson06.shard", shard).points == 2
-    for wrong in (_shard_ignores_parts, _shard_wrong_offset, _shard_interleaved):
-        result = grade_function("lesson06.shard", wrong)
-        assert result.points < 2, (wrong.__name__, result.reason)
+    full("lesson06.shard", shard)
+    for wrong, why in ((_shard_ignores_parts, "each of the 3 packed blocks"),
+                       (_shard_wrong_offset, "a contiguous run of rows, but not rank 1's"),
+                       (_shard_interleaved, "interleaved")):
+        result = less("lesson06.shard", wrong)
+        assert why in result.reason, (wrong.__name__, result.reason)
 
 
 class _NoAllReduceBackward(torch.autograd.Function):
@@ -139,15 +141,18 @@ def test_f_g_and_gather_catch_misplaced_communication(scratch_cluster_4):
     full("lesson06.reduce_from_parallel", reduce_from_parallel, c)
     full("lesson06.gather_from_parallel", gather_from_parallel, c)
     missing = less("lesson06.copy_to_parallel", _copy_missing_all_reduce, c)
-    assert missing.points == 0, missing.reason
+    assert missing.points == 0 and "only its own shard's term" in missing.reason, missing.reason
     # g used where f belongs: the forward already sums, so the values are wrong too.
-    assert less("lesson06.copy_to_parallel", _reduce_also_in_backward, c).points == 0
+    both = less("lesson06.copy_to_parallel", _reduce_also_in_backward, c)
+    assert both.points == 0 and "forward pass ran all_reduce" in both.reason, both.reason
     twice = less("lesson06.reduce_from_parallel", _reduce_also_in_backward, c)
-    assert twice.points == 0 and "backward collectives" in twice.reason, twice.reason
-    less("lesson06.reduce_from_parallel", _in_place_sum, c)
-    less("lesson06.gather_from_parallel", _gather_reversed_slice, c)
+    assert twice.points == 0 and "backward pass ran all_reduce" in twice.reason, twice.reason
+    in_place = less("lesson06.reduce_from_parallel", _in_place_sum, c)
+    assert "overwritten by the sum" in in_place.reason, in_place.reason
+    reversed_ = less("lesson06.gather_from_parallel", _gather_reversed_slice, c)
+    assert "got the gradient of rank" in reversed_.reason, reversed_.reason
     r = less("lesson06.gather_from_parallel", _gather_by_all_reduce, c)
-    assert "forward collectives" in r.reason, r.reason  # right values, an all_reduce
+    assert "forward pass ran all_reduce" in r.reason, r.reason  # right values, an all_reduce
 
 
 def _column_without_f(layer, x):
@@ -190,10 +195,15 @@ def test_layer_forwards_solution_and_mistakes(scratch_cluster_4):
     c = scratch_cluster_4
     full("lesson06.column_parallel_forward", column_parallel_forward, c)
     full("lesson06.row_parallel_forward", row_parallel_forward, c)
-    for wrong in (_column_without_f, _column_never_gathers):
-        less("lesson06.column_parallel_forward", wrong, c)
-    for wrong in (_row_bias_before_sum, _row_slice_without_f, _row_split_in_half):
-        less("lesson06.row_parallel_forward", wrong, c)
+    for wrong, why in ((_column_without_f, "only its own shard's term"),
+                       (_column_never_gathers, "with gather_output every rank needs all")):
+        r = less("lesson06.column_parallel_forward", wrong, c)
+        assert why in r.reason, (wrong.__name__, r.reason)
+    for wrong, why in ((_row_bias_before_sum, "holds the bias 2 times"),
+                       (_row_slice_without_f, "right only in rank 0's chunk"),
+                       (_row_split_in_half, "3 ranks, whole input")):
+        r = less("lesson06.row_parallel_forward", wrong, c)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 def _attention_heads_last(attn, x):
@@ -228,9 +238,12 @@ def test_attention_forward_solution_and_mistakes(scratch_cluster_4):
 
     c = scratch_cluster_4
     full("lesson06.attention_forward", attention_forward, c)
-    for wrong in (_attention_heads_last, _attention_never_causal,
-                  _attention_reshape_without_transpose):
-        less("lesson06.attention_forward", wrong, c)
+    for wrong, why in ((_attention_heads_last, "q, k and v were taken from the wrong places"),
+                       (_attention_reshape_without_transpose, "positions and heads are mixed")):
+        r = less("lesson06.attention_forward", wrong, c)
+        assert why in r.reason, (wrong.__name__, r.reason)
+    r = less("lesson06.attention_forward", _attention_never_causal, c)
+    assert "without the causal mask" in r.reason, r.reason
 
 
 # lesson06.initial_slice -----------------------------------------------------------------------
@@ -270,5 +283,16 @@ def test_initial_slice_solution_and_mistakes():
     from course_lib.tensor_parallel import initial_slice
 
     full("lesson06.initial_slice", initial_slice)
-    for wrong in (init_local_shape, init_bias_first, init_ignores_parts):
-        less("lesson06.initial_slice", wrong)
+    for wrong, why in ((init_local_shape, "the first numbers nn.Linear draws"),
+                       (init_bias_first, "nn.Linear's order"),
+                       (init_ignores_parts, "rows in each of the 3 blocks")):
+        r = less("lesson06.initial_slice", wrong)
+        assert why in r.reason, (wrong.__name__, r.reason)
+
+
+def test_a_stub_gets_one_line():
+    def stub(tensor, dim, rank, world_size, parts=1):
+        raise NotImplementedError
+
+    r = grade_function("lesson06.shard", stub)
+    assert r.points == 0 and len(str(r).splitlines()) == 1, str(r)
