@@ -27,15 +27,12 @@ def no_sync(ddp: nn.Module) -> Iterator[None]:
         ddp.require_backward_grad_sync = previous
 
 
-# %% solutions/05_grad_accumulation.ipynb, cell 16
+# %% solutions/05_grad_accumulation.ipynb, cell 14
 def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """One optimizer step over equal-sized micro-batches; returns the loss of the whole batch.
-
-    `loss_fn` averages over its micro-batch, so dividing each loss by k makes the accumulated
-    gradient the mean over the whole batch. A DDP `model` syncs only on the last micro-batch.
-    """
+    """One optimizer step over equal-sized micro-batches that equals one step over their union
+    (one all_reduce on a DDP `model`); returns the loss of the whole batch, as a float."""
     k = len(micro_batches)
     if k == 0:
         raise ValueError("accumulation_step needs at least one micro-batch")
@@ -55,7 +52,7 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return total
 
 
-# %% solutions/05_grad_accumulation.ipynb, cell 22
+# %% solutions/05_grad_accumulation.ipynb, cell 23
 def saved_activation_bytes(model: nn.Module, *inputs: Any) -> int:
     """Bytes autograd keeps for backward during one forward of `model`: the memory a bigger
     batch costs, and what micro-batches save. Parameters (saved by reference) are not counted."""

@@ -15,7 +15,7 @@ from course_lib.backend import default_dist
 __all__ = ["shard_indices", "DistributedSampler"]
 
 
-# %% solutions/03_data_sharding.ipynb, cell 16
+# %% solutions/03_data_sharding.ipynb, cell 15
 def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
                   drop_last: bool = False) -> list[int]:
     """The indices rank `rank` reads from a dataset of `n` samples (the sampler's core)."""
@@ -36,7 +36,7 @@ def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool = True, se
     return indices[rank:total:num_replicas]
 
 
-# %% solutions/03_data_sharding.ipynb, cell 19
+# %% solutions/03_data_sharding.ipynb, cell 18
 class DistributedSampler(torch.utils.data.Sampler):
     """Yields the indices of `dataset` that belong to `rank`, as torch's DistributedSampler does.
 

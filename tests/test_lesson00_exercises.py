@@ -8,7 +8,7 @@ import nbformat
 import psutil
 import pytest
 
-from conftest import leftover_processes
+from conftest import leftover_processes, less
 from course_lib.cluster import start
 from course_lib.grading import get_exercise, grade_function
 from course_lib.grading.batch import grade_all
@@ -89,14 +89,30 @@ def test_solution_full_and_release_not_implemented(cluster):
     assert release.reason == "not implemented yet: shard_sum raises NotImplementedError"
 
 
-@pytest.mark.parametrize("wrong", [off_by_one, overlapping, missing_remainder,
-                                   remainder_on_last_rank])
-def test_realistic_mistakes_score_below_full(cluster, wrong):
-    result = grade_function(NAME, wrong, cluster)
-    assert result.points < 2.0, str(result)
-    assert "cases failed" in result.reason
-    notes = {r.note for c in result.cases for r in c.rows if not r.passed}
-    assert notes == {"wrong value"}, str(result)  # it ran and returned a wrong number
+@pytest.mark.parametrize("wrong, reason", [
+    (off_by_one, "2 ranks, n=13 (remainder): rank 1: got the sum of elements 7 to 13; this "
+                 "rank's shard is elements 7 to 12: it runs past the end of range(13)"),
+    (overlapping, "2 ranks, n=13 (remainder): rank 0: got the sum of elements 0 to 7; this "
+                  "rank's shard is elements 0 to 6: one element too many, from rank 1's shard"),
+    (missing_remainder, "2 ranks, n=13 (remainder): rank 0: got the sum of elements 0 to 5; "
+                        "this rank's shard is elements 0 to 6: one element short"),
+    (remainder_on_last_rank, "2 ranks, n=13 (remainder): rank 0: got the sum of elements 0 "
+                             "to 5; this rank's shard is elements 0 to 6: one element short"),
+])
+def test_realistic_mistakes_score_below_full(cluster, wrong, reason):
+    result = less(NAME, wrong, cluster)  # its feedback shows no code of the answer either
+    assert result.reason.endswith("first: " + reason), result.reason
+    notes = {r.note for c in result.cases for r in c.rows if not r.passed and r.rank != "all"}
+    assert "wrong value" not in notes, str(result)  # every wrong rank says why, in shards
+
+
+def test_a_strided_shard_is_named(cluster):
+    def strided(rank, world_size, n):  # the demo's split, not the exercise's
+        return sum(range(rank, n, world_size))
+
+    result = less(NAME, strided, cluster)
+    assert "rank 0: got the sum of a strided shard (one element in 2, from element 0" in \
+        result.reason, result.reason
 
 
 def test_partial_credit_is_by_case(cluster):

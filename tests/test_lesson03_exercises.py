@@ -38,5 +38,17 @@ def seed_per_rank(n, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
 
 def test_shard_indices_solution_and_mistakes():
     full("lesson03.shard_indices", shard_indices)
-    for wrong in (contiguous_blocks, no_padding, always_pad, seed_per_rank):
-        less("lesson03.shard_indices", wrong)
+    reasons = {
+        contiguous_blocks: "12 samples, 3 ranks, rank 1, in order: the right length, but a "
+                           "contiguous block of the order: in torch's sampler the ranks take "
+                           "turns through it",
+        no_padding: "10 on 4 ranks: pad by wrapping (rank 3): 2 indices where every rank gets 3: "
+                    "without drop_last the order is padded from its start",
+        always_pad: "10 on 4 ranks, drop_last (rank 2): 3 indices; with drop_last every rank "
+                    "keeps 2: the tail that does not fill a whole turn of all ranks is dropped",
+        seed_per_rank: "shuffled, seed 6, drop_last (rank 2): the shard that seed 8 gives, not "
+                       "seed 6: every rank must shuffle with the same seed",
+    }
+    for wrong, reason in reasons.items():
+        result = less("lesson03.shard_indices", wrong)
+        assert "first: " + reason in result.reason, (wrong.__name__, result.reason)

@@ -31,9 +31,14 @@ register(Exercise(
     harness=shard_sum_harness,
     total=_total,
     points=2,
-    hints=("Rank r owns range(start, stop) with start = r * (n // world_size) + min(r, n % "
-          "world_size): the first n % world_size ranks take one extra element, so the shards "
-          "do not overlap, leave nothing out, and differ in size by at most one.",),
+    explain="lesson00:explain_shard_sum",
+    hints=("The shards tile range(n) in rank order: each is one contiguous run of elements, "
+           "next to its neighbours' with no gap and no overlap, and their lengths differ by at "
+           "most one, the longer ones first.",
+           "Draw n = 10 on 4 ranks as runs of 3, 3, 2 and 2 elements. A rank's run begins right "
+           "after every element of the ranks before it: count those ranks' elements, the base "
+           "share each plus the extra ones that went to the first ranks, then add this rank's "
+           "own length to find where its run ends."),
     distributed=True,
     world_size=4,       # the grader's cluster: its first 2, 3 and 4 ranks play worlds of that size
     backend="none",     # nothing is communicated

@@ -4,15 +4,6 @@ from __future__ import annotations
 
 from course_lib.grading import Exercise, case, register
 
-
-def _torch_indices(n: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-                   drop_last: bool = False) -> list[int]:
-    from torch.utils.data import DistributedSampler
-
-    return list(DistributedSampler(range(n), num_replicas, rank, shuffle=shuffle, seed=seed,
-                                   drop_last=drop_last))
-
-
 register(Exercise(
     name="lesson03.shard_indices",
     notebook="03_data_sharding",
@@ -25,9 +16,14 @@ register(Exercise(
         case(20, 3, 0, True, 5, False, label="shuffled, seed 5 (rank 0)"),
         case(20, 3, 2, True, 6, True, label="shuffled, seed 6, drop_last (rank 2)"),
     ],
-    reference=_torch_indices,
+    reference="lesson03:shard_indices",
+    explain="lesson03:explain_shard_indices",
     points=2,
-    hints=("Shuffle with a torch.Generator seeded `seed` (torch.randperm), pad by repeating the "
-          "list from its start (or cut it for drop_last) to a multiple of num_replicas, then "
-          "take every num_replicas-th index starting at rank.",),
+    hints=("Three invariants: every rank starts from the same order of range(n) (torch's "
+           "permutation for the seed, or the identity without shuffling), every rank gets the "
+           "same number of indices (the order padded from its start, or its tail dropped), "
+           "and the ranks take turns through that order.",
+           "Write the padded order in one row and deal it out like cards, one to each rank in "
+           "turn, rank 0 first. For 10 samples on 4 ranks the row is 0 1 2 3 4 5 6 7 8 9 0 1, "
+           "and rank 3 is dealt 3, 7 and 1. With drop_last, deal only the full rounds."),
 ))
