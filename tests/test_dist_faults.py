@@ -57,7 +57,7 @@ def test_dead_rank_makes_every_other_rank_raise(tmp_path):
 def intruders(rank: int, world: int) -> dict:
     from course_lib import dist
     from course_lib.dist import group
-    from course_lib.dist.wire import HELLO, HELLO_MAGIC
+    from course_lib.dist.handshake import HELLO, HELLO_MAGIC
 
     out = {}
     records: list[str] = []

@@ -159,7 +159,7 @@ def test_handshake_needs_the_secret():
     import threading
 
     from course_lib.dist.errors import ProtocolError
-    from course_lib.dist.wire import client_handshake, server_handshake
+    from course_lib.dist.handshake import client_handshake, server_handshake
 
     def attempt(client_secret: bytes):
         a, b = socket.socketpair()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import full, less
 from course_lib import dist
-from course_lib.dist import wire
+from course_lib.dist import stream, wire
 from course_lib.grading import grade_function
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
@@ -56,8 +56,11 @@ def no_dtype(tag, tensor):
 def test_encode_header_solution_and_mistakes():
     full("lesson01.encode_header", solution("encode_header"))
     full("lesson01.encode_header", wire.encode_header)
-    for wrong in (four_bytes_per_element, shape_reversed, no_dtype):
-        less("lesson01.encode_header", wrong)
+    for wrong, why in ((four_bytes_per_element, "nbytes is 20; the tensor holds 5 elements of 8"),
+                       (shape_reversed, "the shape field reads [4, 3, 0, 0, 0, 0, 0, 0]"),
+                       (no_dtype, "dtype code 0 is float32; the tensor is int64, code 8")):
+        r = less("lesson01.encode_header", wrong)
+        assert why in r.reason, r.reason
 
 
 # lesson01.decode_header -------------------------------------------------------------------
@@ -83,8 +86,11 @@ def float32_sizes_only(data):
 
 def test_decode_header_solution_and_mistakes():
     full("lesson01.decode_header", solution("decode_header"))
-    for wrong in (trusts_everything, keeps_padding, float32_sizes_only):
-        less("lesson01.decode_header", wrong)
+    for wrong, why in ((trusts_everything, "must refuse this header (bad magic"),
+                       (keeps_padding, "only the first ndim = 2 entries are the tensor's"),
+                       (float32_sizes_only, "int64 (7,), tag 5: a valid header was refused")):
+        r = less("lesson01.decode_header", wrong)
+        assert why in r.reason, r.reason
 
 
 def test_not_implemented_scores_zero():
@@ -149,11 +155,17 @@ def by_all_gather(tensor, peer):
 def test_exchange_solution_and_mistakes(scratch_cluster_4):
     c = scratch_cluster_4
     full("lesson01.exchange", solution("exchange"), c)
-    for wrong in (returns_own, receives_into_input, in_pieces, by_all_gather):
-        less("lesson01.exchange", wrong, c)
+    for wrong, why in ((returns_own, "rank 0 returned its own tensor, not the one rank 1 sent"),
+                       (receives_into_input, "but overwrote its own with it"),
+                       (in_pieces, "rank 0 sent 4 and received 4 messages; an exchange is one "
+                                   "message each way"),
+                       (by_all_gather, "all_gather")):
+        r = less("lesson01.exchange", wrong, c)
+        notes = [r.reason] + [row.note for case in r.cases for row in case.rows]
+        assert any(why in note for note in notes), r
     r = less("lesson01.exchange", both_send_first, c, time_limit=4)
     assert r.reason.startswith("timed out"), r.reason  # the 32 MiB case deadlocks
-    assert r.cases[0].passed  # small messages fit in the kernel's buffers
+    assert r.cases[0].passed  # a small message fits in the link's buffer: no deadlock
     full("lesson01.exchange", solution("exchange"), c)  # the cluster recovered
 
 
@@ -161,7 +173,7 @@ def test_exchange_solution_and_mistakes(scratch_cluster_4):
 
 def one_read(sock, view, deadline):
     """One recv_into: a frame that arrives in pieces is left partly empty."""
-    wire._set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+    stream.set_timeout(sock, socket.SO_RCVTIMEO, deadline)
     if sock.recv_into(view, len(view)) == 0 and len(view):
         raise wire.PeerClosed("closed")
 
@@ -181,7 +193,7 @@ def eof_as_timeout(sock, view, deadline):
     """Treats a closed peer like a slow one: raises WireTimeout for both."""
     got = 0
     while got < len(view):
-        wire._set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+        stream.set_timeout(sock, socket.SO_RCVTIMEO, deadline)
         try:
             k = sock.recv_into(view[got:], len(view) - got)
         except (BlockingIOError, TimeoutError):
@@ -193,5 +205,10 @@ def eof_as_timeout(sock, view, deadline):
 
 def test_recv_exact_solution_and_mistakes():
     full("lesson01.recv_exact", wire.recv_exact)
-    for wrong in (one_read, no_deadline, eof_as_timeout):
-        less("lesson01.recv_exact", wrong)
+    for wrong, why in ((one_read, "the view does not hold the frame's bytes in order"),
+                       (no_deadline, "past the 0.3 s deadline: that is WireTimeout; the function "
+                                     "returned"),
+                       (eof_as_timeout, "that is PeerClosed, not a slow peer; the function "
+                                        "raised WireTimeout")):
+        r = less("lesson01.recv_exact", wrong)
+        assert why in r.reason, r.reason

@@ -129,7 +129,7 @@ def _ask(proc: subprocess.Popen, lines: Lines, command: str, timeout: float = 60
 def _stranger(address: list) -> list[str]:
     """A process that reaches a rank's port and tries the handshake without the secret."""
     code = ("import os, socket, sys, time\n"
-            "from course_lib.dist.wire import client_handshake\n"
+            "from course_lib.dist.handshake import client_handshake\n"
             "from course_lib.dist.errors import ProtocolError\n"
             f"s = socket.create_connection(({address[0]!r}, {address[1]}), timeout=10)\n"
             "try:\n"

@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import (PeerClosed, WireTimeout, byte_view, recv_exact, send_parts,
-                                  try_send)
+from course_lib.dist.stream import PeerClosed, WireTimeout, byte_view, send_parts, try_send
+from course_lib.dist.wire import recv_exact
 
 SPIN_SECONDS = 50e-6  # spinning holds the GIL: long enough for a reply on its way, no more
 YIELD_SECONDS = 1e-3  # then poll between yields: longer than the gap between slot doorbells

@@ -32,7 +32,8 @@ import torch
 
 from course_lib.dist import ring
 from course_lib.dist.errors import ProtocolError
-from course_lib.dist.wire import FLAG_SHM, recv_exact, send_parts, with_flags
+from course_lib.dist.stream import send_parts
+from course_lib.dist.wire import FLAG_SHM, recv_exact, with_flags
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4

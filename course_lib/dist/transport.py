@@ -1,7 +1,7 @@
 """The mesh of connections: a listening socket per rank, one authenticated link per pair.
 
 Lower ranks connect to higher ones; every connection proves the cluster secret both ways
-(`wire.client_handshake` / `wire.server_handshake`) before it becomes a `Peer`. Anything else
+(`handshake.client_handshake` / `server_handshake`) before it becomes a `Peer`. Anything else
 that reaches the listener is logged and closed, and the listener keeps accepting. Once the mesh
 is up, an authenticated connection is a flight-record query (`query_record`): the listener's
 thread answers it with this rank's record as JSON, whatever the rank's main thread is doing.
@@ -23,8 +23,10 @@ import torch
 from course_lib.dist import shm
 from course_lib.dist.errors import DistError, DistTimeoutError, ProtocolError
 from course_lib.dist.peer import Peer
-from course_lib.dist.wire import (ABORT_TAG, HEADER, byte_view, client_handshake, decode_header,
-                                  encode_header, recv_exact, send_frame, server_handshake)
+from course_lib.dist.handshake import client_handshake, server_handshake
+from course_lib.dist.stream import send_frame
+from course_lib.dist.wire import (ABORT_TAG, HEADER, byte_view, decode_header, encode_header,
+                                  recv_exact)
 
 log = logging.getLogger("course_lib.dist")
 SOCKET_BUFFER = 4 << 20  # bytes; Linux doubles it, capped by net.core.[rw]mem_max

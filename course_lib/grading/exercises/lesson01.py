@@ -1,4 +1,5 @@
-"""Lesson 01 (point-to-point): framing a tensor message; a deadlock-free exchange."""
+"""Lesson 01 (point-to-point): framing a tensor message, the exact read under it, and a
+deadlock-free exchange. Expected values and explanations: `references/lesson01.py`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,6 @@ import torch
 from course_lib.grading import RANK, WORLD_SIZE, CheckTimeout, Exercise, case, register
 
 # --- lesson01.encode_header / decode_header (local) ----------------------------------------
-
-
-def _encode_reference(tag: int, tensor: torch.Tensor) -> bytes:
-    from course_lib.dist.wire import encode_header
-
-    return encode_header(tag, tensor)
-
 
 register(Exercise(
     name="lesson01.encode_header",
@@ -29,11 +23,15 @@ register(Exercise(
         case(3, torch.tensor(True), label="a bool scalar (0 dims)"),
         case(9, torch.empty(0, 5, dtype=torch.uint8), label="empty uint8 (0, 5)"),
     ],
-    reference=_encode_reference,
+    reference="lesson01:encode_header",
+    explain="lesson01:explain_encode_header",
     points=2,
-    hints=("HEADER.pack(MAGIC, tag, DTYPE_CODE[tensor.dtype], tensor.dim(), 0, nbytes, *shape): "
-          "nbytes = numel * element_size (not 4 for every dtype), shape in order, padded with "
-          "zeros to MAX_DIMS entries.",),
+    hints=("The header is the table's fields in the table's order, each as wide as its struct "
+           "code says, whatever the tensor: its byte count is the payload's true size, which "
+           "depends on the dtype, and its shape always fills all eight entries.",
+           "For an int32 tensor of shape (2, 3, 1): dtype code 7, three dimensions, flags 0, "
+           "24 payload bytes (six elements of four bytes), then the entries 2, 3, 1 and five "
+           "zeros. Check the dtype and the number of dimensions before building anything."),
 ))
 
 
@@ -54,12 +52,6 @@ def decode_harness(fn, data: bytes):
         return "rejected"
 
 
-def _decode_reference(data: bytes):
-    from course_lib.dist.wire import decode_header
-
-    return decode_harness(decode_header, data)
-
-
 register(Exercise(
     name="lesson01.decode_header",
     notebook="01_point_to_point",
@@ -76,12 +68,16 @@ register(Exercise(
         case(_header(ndim=9), label="more than 8 dims: reject"),
         case(_header(ndim=1, nbytes=12, shape=(3, 4)), label="shape entries past ndim: reject"),
     ],
-    reference=_decode_reference,
+    reference="lesson01:decode_header",
+    explain="lesson01:explain_decode_header",
     harness=decode_harness,
     points=2,
-    hints=("Unpack with HEADER, check the magic, the dtype code (< len(DTYPES)), ndim <= MAX_DIMS, "
-          "that shape entries past ndim are 0, and nbytes == numel * dtype.itemsize; return "
-          "(tag, dtype, shape[:ndim] as a tuple, nbytes).",),
+    hints=("Everything in the header came from the network: each field that will size an "
+           "allocation is checked before it is used, and the fields must agree with each other "
+           "(the byte count with the shape and the dtype). Refuse with ProtocolError.",
+           "Read the fields back in the table's order. The shape is the first ndim entries; the "
+           "entries after them are padding and must be zero. A tensor with no dimensions still "
+           "holds one element."),
 ))
 
 # --- lesson01.exchange (on the cluster) -----------------------------------------------------
@@ -108,12 +104,13 @@ def partner(rank: int, world_size: int, shift: int) -> int:
 
 def exchange_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str, shift: int):
     """On the first k ranks as a world of k: pairs of round `shift` exchange; the messages each
-    rank sends and receives are counted (one each way: not a collective, not in pieces)."""
+    rank sends and receives are counted (one each way: not a collective, not in pieces). A rank
+    without a partner in this round sits out (None)."""
     from course_lib.grading.sub_worlds import counting_messages, first_ranks_as_world
 
     peer = partner(rank, k, shift) if rank < k else rank
     if peer == rank:
-        return "sits out"
+        return None  # sits out this case
     mine = payload(rank, n, getattr(torch, dtype))
     before = mine.clone()
     with first_ranks_as_world(k), counting_messages() as counts:
@@ -122,15 +119,9 @@ def exchange_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str,
             "messages sent, received": (counts["sent"], counts["received"])}
 
 
-def _exchange_reference(rank: int, world_size: int, k: int, n: int, dtype: str, shift: int):
-    peer = partner(rank, k, shift) if rank < k else rank
-    if peer == rank:
-        return "sits out"
-    return {"received": summary(payload(peer, n, getattr(torch, dtype))),
-            "own tensor unchanged": True, "messages sent, received": (1, 1)}
-
-
-BIG = 2 ** 23  # 32 MiB of float32: more than the kernel buffers a socket, so order matters
+# 32 MiB of float32: more than a link's 4 MiB of shared-memory slots (or a socket's kernel
+# buffers between hosts) hold, so two ranks that both send it first deadlock.
+BIG = 2 ** 23
 
 register(Exercise(
     name="lesson01.exchange",
@@ -144,21 +135,26 @@ register(Exercise(
              label="4 ranks, 32 MiB, pairs (0, 1) and (2, 3) at once"),
         case(RANK, WORLD_SIZE, 4, BIG, "float32", 0, label="4 ranks, 32 MiB, pair (1, 3)"),
     ],
-    reference=_exchange_reference,
+    reference="lesson01:exchange",
+    explain="lesson01:explain_exchange",
     harness=exchange_harness,
     distributed=True,
     world_size=4,
     points=2,
     time_limit=10.0,
-    hints=("Both ranks sending a large tensor first deadlock: neither receives. Let the lower "
-          "rank send first and the higher receive first, or post dist.irecv and dist.isend and "
-          "wait on both. Receive into a new tensor (torch.empty_like) and return it.",),
+    hints=("A blocking send of a large tensor returns only once the other side receives it. "
+           "Each send must meet a receive that its peer reaches without first waiting on this "
+           "rank; when both ranks of a pair send first, neither ever reaches its receive.",
+           "Break the symmetry: let the two ranks of a pair play different roles, decided by "
+           "something both know, or start the receive before the send so that the transport "
+           "reads while it writes (the picture above the exercise). The result goes into a "
+           "tensor of its own."),
 ))
 
 
 # --- lesson01.recv_exact (on a local socket pair) ----------------------------------------------
 
-_SCENARIOS = {  # name: (pieces of the frame sent, pause between them (s), frame size, deadline)
+SCENARIOS = {  # name: (pieces of the frame sent, pause between them (s), frame size, deadline)
     "one piece": ([64], 0.0, 64, 2.0),
     "three pieces": ([300, 400, 300], 0.05, 1000, 2.0),
     "larger than the socket buffer": ([4 << 20], 0.0, 4 << 20, 5.0),
@@ -175,7 +171,7 @@ def recv_exact_harness(fn, scenario: str) -> dict:
     import threading
     import time
 
-    pieces, pause, size, deadline = _SCENARIOS[scenario]
+    pieces, pause, size, deadline = SCENARIOS[scenario]
     frame = bytes((i * 7 + 3) % 251 for i in range(size))
     a, b = socket.socketpair()
 
@@ -198,7 +194,9 @@ def recv_exact_harness(fn, scenario: str) -> dict:
     try:
         fn(b, memoryview(buf), time.monotonic() + deadline)
         outcome = "filled"
-    except Exception as exc:
+    except (NotImplementedError, CheckTimeout):
+        raise
+    except Exception as exc:  # noqa: BLE001 - which error it raised is what the check compares
         outcome = f"raised {type(exc).__name__}"
     finally:
         b.close()
@@ -207,25 +205,21 @@ def recv_exact_harness(fn, scenario: str) -> dict:
             else None}
 
 
-def _recv_exact_reference(scenario: str) -> dict:
-    filled = scenario not in ("peer closes mid-frame", "peer too slow for the deadline")
-    return {"outcome": "filled" if filled else
-            "raised PeerClosed" if scenario == "peer closes mid-frame" else "raised WireTimeout",
-            "buffer == frame": True if filled else None}
-
-
 register(Exercise(
     name="lesson01.recv_exact",
     notebook="01_point_to_point",
     params=("sock", "view", "deadline"),
-    cases=[case(name, label=name) for name in _SCENARIOS],
-    reference=_recv_exact_reference,
+    cases=[case(name, label=name) for name in SCENARIOS],
+    reference="lesson01:recv_exact",
+    explain="lesson01:explain_recv_exact",
     harness=recv_exact_harness,
     points=2,
     time_limit=15.0,
-    hints=("Loop until the view is full: _set_timeout(sock, socket.SO_RCVTIMEO, deadline) (it "
-          "raises WireTimeout once the deadline is past), then k = sock.recv_into(view[got:], "
-          "n - got, socket.MSG_WAITALL); k == 0 means the peer closed: raise PeerClosed; on "
-          "BlockingIOError/TimeoutError raise WireTimeout(got) if the deadline passed, else "
-          "retry.",),
+    hints=("The invariant: the bytes received so far fill the front of the view, and every read "
+           "asks only for what is still missing and writes it where it belongs. Three things end "
+           "the wait, and only they: the view is full, the peer closed, or the deadline passed.",
+           "Picture a 1000-byte frame arriving as 300, 400 and 300 bytes: three reads, each one "
+           "landing right after the last. The time left shrinks, so the socket's timeout is set "
+           "again before every read; when the socket cuts a read off, the clock against the "
+           "deadline decides between reading on and giving up."),
 ))
