@@ -1,6 +1,8 @@
-"""Lesson 04's exercises: bucket launch order, the flat all_reduce, and the DDP core (launch,
-hook, end of backward); the solutions score full points, realistic wrong versions less (the
-distributed ones on 2, 3 and 4 ranks of a 4-rank scratch cluster)."""
+"""Lesson 04's exercises (parts 04a and 04b): the coalesced broadcast, the per-parameter and flat
+all_reduce, buckets and their launch order, and the DDP core (launch, hook, end of backward,
+with a weight used twice and a gradient that arrives twice); the solutions score full points,
+realistic wrong versions less, each with a reason in the lesson's terms (the distributed ones
+on 2, 3 and 4 ranks of a 4-rank scratch cluster)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,9 @@ import torch
 
 from conftest import full, less
 from course_lib.backend import default_dist
-from course_lib.ddp import (allreduce_grads_flat, broadcast_coalesced, buckets_to_launch,
-                            finish_backward,
-                            flatten_into, launch_bucket, on_grad_ready, stage_grad,
-                            unflatten_to_grads)
+from course_lib.data_parallel import (allreduce_grads_flat, broadcast_coalesced,
+                                     buckets_to_launch, flatten_into, unflatten_to_grads)
+from course_lib.ddp import finish_backward, launch_bucket, on_grad_ready, stage_grad
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 
@@ -34,8 +35,10 @@ def from_zero(next_bucket, complete):
 
 def test_buckets_to_launch_solution_and_mistakes():
     full("lesson04.buckets_to_launch", buckets_to_launch)
-    less("lesson04.buckets_to_launch", every_complete_bucket)
-    less("lesson04.buckets_to_launch", from_zero)
+    r = less("lesson04.buckets_to_launch", every_complete_bucket)
+    assert "bucket 0 is not complete, yet bucket 1 after it starts" in r.reason, r.reason
+    r = less("lesson04.buckets_to_launch", from_zero)
+    assert "bucket 0 was launched already" in r.reason, r.reason
 
 
 def sum_not_average(params, *, dist=None, group=None):
@@ -71,10 +74,12 @@ def per_parameter(params, *, dist=None, group=None):
 @pytest.mark.cluster
 def test_flat_all_reduce_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.allreduce_grads_flat", allreduce_grads_flat, scratch_cluster_4)
-    for wrong in (sum_not_average, never_copied_back, divide_by_param_count):
-        less("lesson04.allreduce_grads_flat", wrong, scratch_cluster_4)
-    r = less("lesson04.allreduce_grads_flat", per_parameter, scratch_cluster_4)
-    assert "['collectives']['all_reduce']" in r.reason, r.reason  # right numbers, P messages
+    for wrong, why in ((sum_not_average, "the sum over the 2 ranks, not their average"),
+                       (never_copied_back, ".grad still holds this rank's own gradient"),
+                       (divide_by_param_count, "divided by 3, not by the 2 ranks"),
+                       (per_parameter, "3 all_reduce calls for 3 parameters: one flat buffer")):
+        r = less("lesson04.allreduce_grads_flat", wrong, scratch_cluster_4)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 # lesson04.launch_bucket, on_grad_ready, finish_backward ----------------------------------------
@@ -132,11 +137,13 @@ def stale_slice_for_unused(ddp, bucket):
 @pytest.mark.cluster
 def test_launch_bucket_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.launch_bucket", launch_bucket, scratch_cluster_4)
-    for wrong in (launch_bucket_without_return, one_all_reduce_per_parameter, flags_left_out,
-                  stale_slice_for_unused):
-        less("lesson04.launch_bucket", wrong, scratch_cluster_4)
-    r = less("lesson04.launch_bucket", blocking_launch, scratch_cluster_4)
-    assert "collectives per step" in r.reason, r.reason  # right numbers, not async
+    for wrong, why in ((launch_bucket_without_return, "must return the Work of its asynchronous"),
+                       (one_all_reduce_per_parameter, "one collective per bucket"),
+                       (flags_left_out, "the gradients and the flag slots travel in one message"),
+                       (stale_slice_for_unused, "step 1: spare's averaged gradient is wrong"),
+                       (blocking_launch, "blocking")):  # right numbers, not async
+        r = less("lesson04.launch_bucket", wrong, scratch_cluster_4)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 def _start(ddp, p):
@@ -189,13 +196,70 @@ def no_callback(ddp, p):
     on_grad_ready(ddp, p)
 
 
+def takes_a_second_arrival(ddp, p):
+    """Right for every gradient that arrives once, but a parameter whose gradient arrives twice
+    in one backward (two reentrant checkpoints) is staged again, and backward goes on: its
+    bucket leaves with a gradient that is not torch's, and nobody is told."""
+    bucket = _start(ddp, p)
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.grad_divisor)
+    p.grad = view
+    complete = [len(b.ready) == len(b.params) for b in ddp.buckets]
+    for i in buckets_to_launch(ddp.next_bucket, complete):
+        ddp.launch(ddp.buckets[i])
+        ddp.next_bucket = i + 1
+
+
+def counts_arrivals(ddp, p):
+    """Counts the hook's calls per bucket instead of its parameters: a gradient that arrives
+    twice counts as two ready gradients, so its bucket launches before another parameter's
+    gradient is in it."""
+    if not ddp.in_backward:
+        ddp.arrivals = [0] * len(ddp.buckets)
+    bucket = _start(ddp, p)
+    ddp.arrivals[ddp.buckets.index(bucket)] += 1
+    view = ddp.view_of[id(p)]
+    with torch.no_grad():
+        stage_grad(p.grad, view, ddp.grad_divisor)
+    p.grad = view
+    complete = [n >= len(b.params) for n, b in zip(ddp.arrivals, ddp.buckets)]
+    for i in buckets_to_launch(ddp.next_bucket, complete):
+        ddp.launch(ddp.buckets[i])
+        ddp.next_bucket = i + 1
+
+
 @pytest.mark.cluster
 def test_on_grad_ready_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.on_grad_ready", on_grad_ready, scratch_cluster_4)
-    for wrong in (launch_when_complete, summed_not_averaged, no_callback):
-        less("lesson04.on_grad_ready", wrong, scratch_cluster_4)
-    r = less("lesson04.on_grad_ready", never_launches_from_hooks, scratch_cluster_4)
-    assert "bucket launches per step" in r.reason, r.reason  # right numbers, no overlap
+    for wrong, why in ((launch_when_complete, "buckets launched in the order [2, 0, 1]"),
+                       (summed_not_averaged, "the sum over the 2 ranks, not their average"),
+                       (never_launches_from_hooks, "only after backward")):  # no overlap
+        r = less("lesson04.on_grad_ready", wrong, scratch_cluster_4)
+        assert why in r.reason, (wrong.__name__, r.reason)
+    # Nobody waits: the next forward says so (and a rank whose buckets all went out waits in
+    # vain for the others: the check stops there).
+    r = less("lesson04.on_grad_ready", no_callback, scratch_cluster_4)
+    assert "the previous backward did not finish" in r.cases[0].rows[0].note, r.cases[0]
+
+
+@pytest.mark.cluster
+def test_on_grad_ready_a_gradient_that_arrives_twice(scratch_cluster_4):
+    """A weight used twice in one forward gets one hook call (autograd sums both uses first),
+    and the solution passes it; in two reentrant checkpoints its gradient arrives twice, and a
+    hook that takes the second arrival, or counts it as a second ready gradient, scores less,
+    on the cases of 2 and 4 ranks, and says why."""
+    r = full("lesson04.on_grad_ready", on_grad_ready, scratch_cluster_4)
+    assert any("used twice in the forward" in c.label for c in r.cases)
+    for wrong, why in ((takes_a_second_arrival, "bucket 0 went out with a gradient that is not"),
+                       (counts_arrivals, "counted as two ready gradients: bucket 0 was launched "
+                                         "before inp.bias, inp.weight arrived")):
+        r = less("lesson04.on_grad_ready", wrong, scratch_cluster_4)
+        failed = [c.label for c in r.cases if not c.passed]
+        twice = "mid in two reentrant checkpoints: its gradient arrives twice"
+        assert failed == [f"2 ranks, {twice}", f"4 ranks, {twice}"], (wrong.__name__, failed)
+        assert why in r.reason, (wrong.__name__, r.reason)
+        assert r.points == 3 * 6 / 8, r
 
 
 def _launch_rest(ddp):
@@ -247,8 +311,12 @@ def only_first_rank_users(ddp):
 @pytest.mark.cluster
 def test_finish_backward_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.finish_backward", finish_backward, scratch_cluster_4)
-    for wrong in (no_wait, ignores_flags, silent_about_unused, only_first_rank_users):
-        less("lesson04.finish_backward", wrong, scratch_cluster_4)
+    for wrong, why in ((no_wait, "the all_reduce's sum had not landed"),
+                       (ignores_flags, "no rank used spare, yet it got a gradient"),
+                       (silent_about_unused, "backward must stop with an error that names"),
+                       (only_first_rank_users, "spare was used on rank 0 only")):
+        r = less("lesson04.finish_backward", wrong, scratch_cluster_4)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 # lesson04.make_buckets ------------------------------------------------------------------------
@@ -291,11 +359,15 @@ def no_small_first_bucket(params, cap_mb, first_mb):
 
 
 def test_make_buckets_solution_and_mistakes():
-    from course_lib.ddp import make_buckets
+    from course_lib.data_parallel import make_buckets
 
     full("lesson04.make_buckets", make_buckets)
-    for wrong in (forward_order, closes_before_reaching, mixes_dtypes, no_small_first_bucket):
-        less("lesson04.make_buckets", wrong)
+    for wrong, why in ((forward_order, "walk the parameters in reverse"),
+                       (closes_before_reaching, "before reaching its cap"),
+                       (mixes_dtypes, "mixes dtypes"),
+                       (no_small_first_bucket, "the first bucket's cap is first_bucket_cap_mb")):
+        r = less("lesson04.make_buckets", wrong)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 # lesson04.broadcast_coalesced -----------------------------------------------------------------
@@ -323,17 +395,21 @@ def one_float_buffer(tensors, src, *, dist=None, group=None):
 @pytest.mark.cluster
 def test_broadcast_coalesced_solution_and_mistakes(scratch_cluster_4):
     full("lesson04.broadcast_coalesced", broadcast_coalesced, scratch_cluster_4)
-    for wrong in (one_broadcast_per_tensor, always_from_rank_zero, one_float_buffer):
-        less("lesson04.broadcast_coalesced", wrong, scratch_cluster_4)
+    for wrong, why in ((one_broadcast_per_tensor, "one message per dtype, not per tensor"),
+                       (always_from_rank_zero, "this rank kept its own tensors: rank 2's never"),
+                       (one_float_buffer, "values that are no rank's")):
+        r = less("lesson04.broadcast_coalesced", wrong, scratch_cluster_4)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 # lesson04.allreduce_grads_per_param -----------------------------------------------------------
 
 @pytest.mark.cluster
 def test_per_param_solution_and_mistakes(scratch_cluster_4):
-    from course_lib.ddp import allreduce_grads_per_param
+    from course_lib.data_parallel import allreduce_grads_per_param
 
     full("lesson04.allreduce_grads_per_param", allreduce_grads_per_param, scratch_cluster_4)
-    less("lesson04.allreduce_grads_per_param", sum_not_average, scratch_cluster_4)
+    r = less("lesson04.allreduce_grads_per_param", sum_not_average, scratch_cluster_4)
+    assert "the sum over the 2 ranks" in r.reason, r.reason
     r = less("lesson04.allreduce_grads_per_param", allreduce_grads_flat, scratch_cluster_4)
-    assert "['collectives']['all_reduce']" in r.reason, r.reason  # not what this step asks
+    assert "reduces each parameter on its own" in r.reason, r.reason  # not what this step asks
