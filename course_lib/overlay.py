@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     from course_lib.build import BuildError
 
     parser = argparse.ArgumentParser(prog="course.py export", description=main.__doc__)
-    parser.add_argument("lesson", nargs="?", help='a lesson notebook\'s stem or number: "04"')
+    parser.add_argument("lesson", nargs="?", help='a lesson notebook\'s stem or number: "04" '
+                                                  '(all its parts) or "04b"')
     parser.add_argument("notebook", nargs="?", help="its path (default: notebooks/LESSON.ipynb)")
     parser.add_argument("--status", action="store_true", help="say what each component runs")
     args = parser.parse_args(argv)
@@ -415,13 +416,21 @@ def main(argv: list[str] | None = None) -> int:
             print(resolve(module).line)
         return 0
     lessons = sorted(set(COMPONENTS.values()))
-    matches = [x for x in lessons if x == args.lesson or x.split("_")[0] == args.lesson]
+    number = args.lesson.split("_")[0]  # "04" names every part of lesson 04 (04a, 04b)
+    matches = [x for x in lessons if x == args.lesson or x.split("_")[0] == number
+               or x.split("_")[0].rstrip("abcdefgh") == number]
     if not matches:
         print(f"course.py export: no lesson {args.lesson!r} with exercises to export; "
               f"they are: {', '.join(lessons)}", file=sys.stderr)
         return 2
+    if args.notebook and len(matches) > 1:
+        print(f"course.py export: {args.lesson!r} has {len(matches)} parts "
+              f"({', '.join(matches)}): name one to give its notebook", file=sys.stderr)
+        return 2
+    written = []
     try:
-        written = export(matches[0], args.notebook)
+        for lesson in matches:
+            written += export(lesson, args.notebook)
     except (FileNotFoundError, BuildError, SyntaxError) as exc:
         print(f"course.py export: {exc}", file=sys.stderr)
         return 1

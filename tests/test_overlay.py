@@ -63,7 +63,7 @@ def test_a_passed_lesson_is_exported_and_used_and_an_unfinished_one_falls_back(
                            "course_lib.overlay")
     assert "def shard_indices(" in text and "NotImplementedError()" not in text
     assert overlay.resolve("data").line == "course_lib.data: yours, from lesson 03"
-    assert overlay.resolve("ddp").line == ("course_lib.ddp: the reference: your lesson 04 is "
+    assert overlay.resolve("ddp").line == ("course_lib.ddp: the reference: your lesson 04b is "
                                            "not exported yet")
     assert imported_from(home, "course_lib.data", "course_lib.ddp") == ["mine", "packaged"]
 
@@ -97,8 +97,8 @@ def test_an_export_that_cannot_be_made_says_why_and_the_check_still_runs(
     assert "lesson03.shard_indices: 2 / 2 points" in out
     assert not (home / "course_lib" / "data.py").exists()
     monkeypatch.chdir(tmp_path / "notebooks")  # no lesson 04 here, nor in notebooks/ below
-    with pytest.raises(FileNotFoundError, match="no student notebook 04_data_parallel"):
-        overlay.export("04_data_parallel")
+    with pytest.raises(FileNotFoundError, match="no student notebook 04b_ddp_overlap"):
+        overlay.export("04b_ddp_overlap")
 
 
 def _as_script(nb: Path) -> str:
@@ -130,9 +130,9 @@ def test_lesson05_without_lesson04_runs_the_reference_and_a_wrong_ddp_is_named(
         assert all(Path(f).is_relative_to(ROOT) for f in files)
 
         # A wrong lesson 04, taken by name: lesson 05 fails and the feedback names lesson 04.
-        lesson04 = learner_copy(tmp_path, "04_data_parallel",
+        lesson04 = learner_copy(tmp_path, "04b_ddp_overlap",
                                 DistributedDataParallel=MARK_DDP + DOUBLING_DDP)
-        overlay.export("04_data_parallel", lesson04)
+        overlay.export("04b_ddp_overlap", lesson04)
         overlay.use(ddp="mine")
         monkeypatch.setenv("JPY_SESSION_NAME", str(lesson05))
         capsys.readouterr()
@@ -140,5 +140,5 @@ def test_lesson05_without_lesson04_runs_the_reference_and_a_wrong_ddp_is_named(
         out = capsys.readouterr().out
         assert "lesson05.accumulation_step: 0 / " in out
         assert ("It passes with the reference course_lib.ddp in place of yours: the cause is "
-                "your lesson 04") in out
+                "your lesson 04b") in out
         assert len(list(marks.glob("ddp-*"))) == 4  # the learner's DDP ran on every rank

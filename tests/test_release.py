@@ -154,15 +154,16 @@ def test_a_learner_runs_the_bundles_lesson00_and_then_lesson05_on_their_own_comp
 
     # Lessons 03 and 04 done and exported (the sampler and DDP carry a marker), then lesson 05.
     for lesson, plant in (("03_data_sharding", {"DistributedSampler": MARK_SAMPLER}),
-                          ("04_data_parallel", {"DistributedDataParallel": MARK_DDP})):
+                          ("04a_data_parallel", {}),
+                          ("04b_ddp_overlap", {"DistributedDataParallel": MARK_DDP})):
         fill(learner / f"{lesson}.ipynb", plant)
         exported = subprocess.run(
             [sys.executable, "-c", "import sys; from course_lib.overlay import main; "
-             "sys.exit(main(sys.argv[1:]))", lesson[:2]],
+             "sys.exit(main(sys.argv[1:]))", lesson.split("_")[0]],
             cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert exported.returncode == 0, exported.stderr
     out = run_notebook(fill(learner / "05_grad_accumulation.ipynb"))
-    assert "course_lib.ddp: yours, from lesson 04" in out
+    assert "course_lib.ddp: yours, from lesson 04b" in out
     assert "course_lib.data: yours, from lesson 03" in out
     assert "max |w - w_one| < 1e-9: True" in out  # the learner's sampler and DDP = 1 process
     # Every check passes, saved_activation_bytes's from the release's table of expected values
