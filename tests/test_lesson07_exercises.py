@@ -1,5 +1,6 @@
-"""Lesson 07's exercises: the solutions score full points, realistic wrong versions less (the
-executor's on 2, 3 and 4 ranks of a 4-rank scratch cluster, a stage per rank)."""
+"""Lesson 07's exercises (07a, 07b, 07c): the solutions score full points, realistic wrong versions
+less, each with a reason in the lesson's terms (the distributed ones on 2, 3 and 4 ranks of a
+4-rank scratch cluster, a stage per rank)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,96 @@ import torch
 
 from conftest import full, less
 from course_lib.grading import grade_function
-from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, MAX_DIMS, backward_step,
-                                 forward_step, gpipe_order, one_f_one_b_order, pipeline_grads,
-                                 stage_recv, stage_send)
+from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, HEADER_LEN, backward_step,
+                                 bubble_fractions, forward_step, gpipe_order, make_header,
+                                 one_f_one_b_order, partition, pipeline_grads, stage_recv,
+                                 stage_send)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 
+
+def notes(result) -> str:
+    """Every failing row's note of a check, one per line."""
+    return "\n".join(row.note for case in result.cases for row in case.rows if not row.passed)
+
+
+# 07a: lesson07.bubble_fractions -----------------------------------------------------------------
+
+def bubble_own_span(events):
+    """Each stage's own first-to-last span: a stage that starts late looks busy."""
+    if not events:
+        raise ValueError("no events")
+    out = {}
+    for r in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == r]
+        span = max(e.end for e in mine) - min(e.start for e in mine)
+        out[r] = 1 - sum(e.end - e.start for e in mine) / span
+    return out
+
+
+def bubble_of_the_whole(events):
+    """One number for all stages, the mean idle share, given to every stage."""
+    if not events:
+        raise ValueError("no events")
+    span = max(e.end for e in events) - min(e.start for e in events)
+    ranks = sorted({e.rank for e in events})
+    mean = 1 - sum(e.end - e.start for e in events) / (span * len(ranks))
+    return {r: mean for r in ranks}
+
+
+def bubble_busy_share(events):
+    """The busy share instead of the idle one."""
+    return {r: 1 - f for r, f in bubble_fractions(events).items()}
+
+
+def test_bubble_fractions_solution_and_mistakes():
+    full("lesson07.bubble_fractions", bubble_fractions)
+    r = less("lesson07.bubble_fractions", bubble_own_span)
+    assert "its own first start" in r.reason, r.reason
+    r = less("lesson07.bubble_fractions", bubble_of_the_whole)
+    assert "one number for every stage" in r.reason, r.reason
+    r = less("lesson07.bubble_fractions", bubble_busy_share)
+    assert "busy shares" in r.reason, r.reason
+
+
+# 07a: lesson07.partition ------------------------------------------------------------------------
+
+def greedy_to_average(costs, n_stages):
+    """Fills each stage until it passes the average: not optimal, and may leave stages empty."""
+    if n_stages > len(costs):
+        raise ValueError("more stages than layers")
+    target, ranges, start, acc = sum(costs) / n_stages, [], 0, 0.0
+    for i, c in enumerate(costs):
+        acc += c
+        if acc >= target and len(ranges) < n_stages - 1:
+            ranges.append(range(start, i + 1))
+            start, acc = i + 1, 0.0
+    return ranges + [range(start, len(costs))]
+
+
+def equal_layer_counts(costs, n_stages):
+    """The same number of layers per stage, whatever they cost."""
+    if n_stages > len(costs):
+        raise ValueError("more stages than layers")
+    bounds = [round(k * len(costs) / n_stages) for k in range(n_stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def no_error_for_too_many_stages(costs, n_stages):
+    return partition(costs, min(n_stages, len(costs)))
+
+
+def test_partition_solution_and_mistakes():
+    full("lesson07.partition", partition)
+    r = less("lesson07.partition", greedy_to_average)
+    assert "largest stage costs" in r.reason or "not a split" in r.reason, r.reason
+    r = less("lesson07.partition", equal_layer_counts)
+    assert "largest stage costs" in r.reason, r.reason
+    r = less("lesson07.partition", no_error_for_too_many_stages)
+    assert "ValueError" in r.reason, r.reason
+
+
+# 07a: lesson07.pipeline_grads -------------------------------------------------------------------
 
 def _forward_all(stages, x, target, loss_fn, m, scale):
     acts = [[] for _ in stages]
@@ -31,7 +116,7 @@ def _forward_all(stages, x, target, loss_fn, m, scale):
     return acts, losses
 
 
-def _pipeline_unscaled(stages, x, target, loss_fn, n_microbatches):
+def pipeline_unscaled(stages, x, target, loss_fn, n_microbatches):
     """Forgets to divide each micro-batch's loss by m."""
     acts, losses = _forward_all(stages, x, target, loss_fn, n_microbatches, scale=False)
     for i, loss in enumerate(losses):
@@ -40,7 +125,7 @@ def _pipeline_unscaled(stages, x, target, loss_fn, n_microbatches):
             acts[s][i][1].backward(acts[s + 1][i][0].grad)
 
 
-def _pipeline_lifo(stages, x, target, loss_fn, n_microbatches):
+def pipeline_lifo(stages, x, target, loss_fn, n_microbatches):
     """Earlier stages pop their stored activations last-in-first-out while gradients arrive
     in micro-batch order: the order mismatch."""
     acts, losses = _forward_all(stages, x, target, loss_fn, n_microbatches, scale=True)
@@ -53,43 +138,109 @@ def _pipeline_lifo(stages, x, target, loss_fn, n_microbatches):
             grad = inp.grad
 
 
-def _gpipe_reversed_backward(n_microbatches, num_stages, stage_index):
-    m = n_microbatches
-    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+def pipeline_last_stage_only(stages, x, target, loss_fn, n_microbatches):
+    """Backward from each loss only: the inputs were detached, so only the last stage learns."""
+    _acts, losses = _forward_all(stages, x, target, loss_fn, n_microbatches, scale=True)
+    for loss in losses:
+        loss.backward()
 
 
-def _1f1b_off_by_one(n_microbatches, num_stages, stage_index):
-    m = n_microbatches
-    warmup = min(num_stages - stage_index, m)
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(m - warmup, m)]
+def test_pipeline_grads_solution_and_mistakes():
+    full("lesson07.pipeline_grads", pipeline_grads)
+    r = less("lesson07.pipeline_grads", pipeline_unscaled)
+    assert "times the batch's" in r.reason, r.reason
+    r = less("lesson07.pipeline_grads", pipeline_lifo)
+    assert "own activations" in r.reason, r.reason
+    r = less("lesson07.pipeline_grads", pipeline_last_stage_only)
+    assert "got no gradient" in r.reason, r.reason
 
 
-def _1f1b_uncapped_warmup(n_microbatches, num_stages, stage_index):
-    m = n_microbatches
-    warmup = num_stages - 1 - stage_index
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(max(m - warmup, 0), m)]
+# 07b: lesson07.stage_send and stage_recv --------------------------------------------------------
+
+def send_microbatch_zero(stage, tensor, dst, tag, microbatch):
+    """Labels every message micro-batch 0: the receiver's check names the mismatch."""
+    stage_send(stage, tensor, dst, tag, 0)
 
 
-def test_lesson07_exercises_score_solutions_and_reject_wrong_versions():
-    cases = [("lesson07.pipeline_grads", pipeline_grads, [_pipeline_unscaled, _pipeline_lifo]),
-             ("lesson07.gpipe_order", gpipe_order, [_gpipe_reversed_backward]),
-             ("lesson07.one_f_one_b_order", one_f_one_b_order,
-              [_1f1b_off_by_one, _1f1b_uncapped_warmup, gpipe_order])]
-    for name, solution, wrongs in cases:
-        right = grade_function(name, solution)
-        assert right.points == right.max_points, (name, right.reason)
-        for wrong in wrongs:
-            result = grade_function(name, wrong)
-            assert result.points < result.max_points, (name, wrong.__name__, result.reason)
+def send_as_float32(stage, tensor, dst, tag, microbatch):
+    """Casts to float32 on the way: the float64 model's gradients lose precision."""
+    stage_send(stage, tensor.float(), dst, tag, microbatch)
 
 
-# lesson07.forward_step and backward_step: one stage per rank, on 2, 3 and 4 of 4 ranks --------
+def send_without_header(stage, tensor, dst, tag, microbatch):
+    """Sends the bare tensor: the receiver reads it as a header."""
+    t = tensor.detach().contiguous()
+    stage.track_send(stage.dist.isend(t, dst, group=stage.group, tag=tag), t, dst, "isend")
+
+
+def recv_ignores_posted(stage, src, tag, microbatch):
+    """Never collects what irecv posted: that receive swallows the next message and this one
+    waits for a header that never comes (cut off by the time limit)."""
+    stage.take_posted(src, tag)
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    stage.dist.recv(header, src, group=stage.group, tag=tag)
+    ndim = int(header[2])
+    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
+    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+    return tensor
+
+
+def recv_always_float32(stage, src, tag, microbatch):
+    """Allocates float64 whatever the header says, and hands back float32."""
+    posted = stage.take_posted(src, tag)
+    if posted is not None:
+        for work in posted.works:
+            work.wait()
+        return posted.tensor.float()
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    stage.dist.recv(header, src, group=stage.group, tag=tag)
+    ndim = int(header[2])
+    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
+    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+    return tensor.float()
+
+
+def recv_unchecked(stage, src, tag, microbatch):
+    """Right tensors, but never looks at the header's micro-batch."""
+    posted = stage.take_posted(src, tag)
+    if posted is not None:
+        for work in posted.works:
+            work.wait()
+        return posted.tensor
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    stage.dist.recv(header, src, group=stage.group, tag=tag)
+    from course_lib.pipeline import DTYPES
+    ndim = int(header[2])
+    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[int(header[0])])
+    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
+    return tensor
+
+
+def recv_stub(stage, src, tag, microbatch):
+    raise NotImplementedError
+
+
+@pytest.mark.cluster
+def test_stage_send_and_recv_solutions_and_mistakes(scratch_cluster_4):
+    c = scratch_cluster_4
+    stub = grade_function("lesson07.stage_recv", recv_stub, c)
+    assert stub.points == 0 and stub.not_implemented, stub
+    assert make_header(torch.zeros(2, 3), 5).tolist()[:5] == [0, 5, 2, 2, 3]
+    full("lesson07.stage_send", stage_send, c)
+    full("lesson07.stage_recv", stage_recv, c)
+    r = less("lesson07.stage_send", send_microbatch_zero, c)
+    assert "its micro-batch differs" in r.reason, r.reason
+    r = less("lesson07.stage_send", send_as_float32, c)
+    assert "float32" in r.reason, r.reason  # received into a buffer of the dtype sent
+    less("lesson07.stage_send", send_without_header, c)
+    less("lesson07.stage_recv", recv_ignores_posted, c)
+    r = less("lesson07.stage_recv", recv_always_float32, c)
+    assert "float32" in r.reason, r.reason  # the next receive, posted like it, is refused
+    r = less("lesson07.stage_recv", recv_unchecked, c)
+    assert "out of step must be an error" in r.reason, r.reason
+
+
+# 07c: lesson07.forward_step and backward_step ---------------------------------------------------
 
 def _input_of(sched, mb):
     st = sched.stage
@@ -156,8 +307,11 @@ def forward_sends_without_header(sched, mb):
 @pytest.mark.cluster
 def test_forward_step_solution_and_mistakes(scratch_cluster_4):
     full("lesson07.forward_step", forward_step, scratch_cluster_4)
-    for wrong in (forward_unscaled, forward_detaches_the_stash, forward_sends_without_header):
-        less("lesson07.forward_step", wrong, scratch_cluster_4)
+    r = less("lesson07.forward_step", forward_unscaled, scratch_cluster_4)
+    assert "times the batch's" in r.reason, r.reason
+    r = less("lesson07.forward_step", forward_detaches_the_stash, scratch_cluster_4)
+    assert "stage 0's parameters got no gradient" in notes(r), notes(r)
+    less("lesson07.forward_step", forward_sends_without_header, scratch_cluster_4)
 
 
 def backward_without_the_gradient(sched, mb):
@@ -188,7 +342,7 @@ def backward_newest_first(sched, mb):
 
 
 def backward_gradient_every_time(sched, mb):
-    """Right gradients, but sends the input gradient twice (once more after the wait)."""
+    """Right gradients, but sends one message more on the last micro-batch."""
     backward_step(sched, mb)
     st = sched.stage
     if not st.is_first and mb == sched.n_microbatches - 1:
@@ -198,126 +352,61 @@ def backward_gradient_every_time(sched, mb):
 @pytest.mark.cluster
 def test_backward_step_solution_and_mistakes(scratch_cluster_4):
     full("lesson07.backward_step", backward_step, scratch_cluster_4)
-    for wrong in (backward_without_the_gradient, backward_newest_first):
-        less("lesson07.backward_step", wrong, scratch_cluster_4)
+    r = less("lesson07.backward_step", backward_without_the_gradient, scratch_cluster_4)
+    assert "gradients" in r.reason, r.reason
+    r = less("lesson07.backward_step", backward_newest_first, scratch_cluster_4)
+    assert "own activations" in r.reason or "micro-batch" in r.reason, r.reason
     r = less("lesson07.backward_step", backward_gradient_every_time, scratch_cluster_4)
-    assert "messages sent" in r.reason, r.reason  # right gradients, an extra message
+    assert "messages" in r.reason, r.reason  # right gradients, an extra message
 
 
-# lesson07.partition ---------------------------------------------------------------------------
+# 07c: lesson07.gpipe_order and one_f_one_b_order ------------------------------------------------
 
-def greedy_to_average(costs, n_stages):
-    """Fills each stage until it passes the average: not optimal, and may leave stages empty."""
-    if n_stages > len(costs):
-        raise ValueError("more stages than layers")
-    target, ranges, start, acc = sum(costs) / n_stages, [], 0, 0.0
-    for i, c in enumerate(costs):
-        acc += c
-        if acc >= target and len(ranges) < n_stages - 1:
-            ranges.append(range(start, i + 1))
-            start, acc = i + 1, 0.0
-    return ranges + [range(start, len(costs))]
+def gpipe_reversed_backward(n_microbatches, num_stages, stage_index):
+    m = n_microbatches
+    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
 
 
-def equal_layer_counts(costs, n_stages):
-    """The same number of layers per stage, whatever they cost."""
-    if n_stages > len(costs):
-        raise ValueError("more stages than layers")
-    bounds = [round(k * len(costs) / n_stages) for k in range(n_stages + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+def one_f_one_b_off_by_one(n_microbatches, num_stages, stage_index):
+    m = n_microbatches
+    warmup = min(num_stages - stage_index, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(m - warmup, m)]
 
 
-def no_error_for_too_many_stages(costs, n_stages):
-    from course_lib.pipeline import partition
-    return partition(costs, min(n_stages, len(costs)))
+def one_f_one_b_uncapped_warmup(n_microbatches, num_stages, stage_index):
+    m = n_microbatches
+    warmup = num_stages - 1 - stage_index
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(max(m - warmup, 0), m)]
 
 
-def test_partition_solution_and_mistakes():
-    from course_lib.pipeline import partition
-
-    full("lesson07.partition", partition)
-    for wrong in (greedy_to_average, equal_layer_counts, no_error_for_too_many_stages):
-        less("lesson07.partition", wrong)
-
-
-# lesson07.stage_send and stage_recv -----------------------------------------------------------
-
-def send_microbatch_zero(stage, tensor, dst, tag, microbatch):
-    """Labels every message micro-batch 0: the receiver's check names the mismatch."""
-    stage_send(stage, tensor, dst, tag, 0)
+def one_f_one_b_backward_first(n_microbatches, num_stages, stage_index):
+    """Alternates B before F in the steady state: B of a micro-batch before its own F."""
+    m = n_microbatches
+    warmup = min(num_stages - 1 - stage_index, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("B", i), ("F", warmup + i)]
+    return actions + [("B", i) for i in range(m - warmup, m)]
 
 
-def send_as_float32(stage, tensor, dst, tag, microbatch):
-    """Casts to float32 on the way: the float64 model's gradients lose precision."""
-    stage_send(stage, tensor.float(), dst, tag, microbatch)
-
-
-def recv_ignores_posted(stage, src, tag, microbatch):
-    """Never collects what irecv posted: that receive swallows the next message and this one
-    waits for a header that never comes (cut off by the time limit)."""
-    stage._posted.pop((src, tag), None)
-    header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
-    stage.dist.recv(header, src, group=stage.group, tag=tag)
-    ndim = int(header[2])
-    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
-    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
-    return tensor
-
-
-def recv_always_float32(stage, src, tag, microbatch):
-    """Allocates float32 whatever the header says."""
-    posted = stage._posted.pop((src, tag), None)
-    if posted is not None:
-        for work in posted[3]:
-            work.wait()
-        return posted[2].float()
-    header = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
-    stage.dist.recv(header, src, group=stage.group, tag=tag)
-    ndim = int(header[2])
-    tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=torch.float64)
-    stage.dist.recv(tensor, src, group=stage.group, tag=tag)
-    return tensor.float()
-
-
-@pytest.mark.cluster
-def test_stage_send_and_recv_solutions_and_mistakes(scratch_cluster_4):
-    c = scratch_cluster_4
-    full("lesson07.stage_send", stage_send, c)
-    full("lesson07.stage_recv", stage_recv, c)
-    r = less("lesson07.stage_send", send_microbatch_zero, c)
-    assert "micro-batch" in r.reason, r.reason
-    less("lesson07.stage_send", send_as_float32, c)
-    less("lesson07.stage_recv", recv_ignores_posted, c)
-    less("lesson07.stage_recv", recv_always_float32, c)
-
-
-# lesson07.bubble_fractions --------------------------------------------------------------------
-
-def bubble_own_span(events):
-    """Each stage's own first-to-last span: a stage that starts late looks busy."""
-    if not events:
-        raise ValueError("no events")
-    out = {}
-    for r in sorted({e.rank for e in events}):
-        mine = [e for e in events if e.rank == r]
-        span = max(e.end for e in mine) - min(e.start for e in mine)
-        out[r] = 1 - sum(e.end - e.start for e in mine) / span
-    return out
-
-
-def bubble_of_the_whole(events):
-    """One number for all stages, the mean idle share, given to every stage."""
-    if not events:
-        raise ValueError("no events")
-    span = max(e.end for e in events) - min(e.start for e in events)
-    ranks = sorted({e.rank for e in events})
-    mean = 1 - sum(e.end - e.start for e in events) / (span * len(ranks))
-    return {r: mean for r in ranks}
-
-
-def test_bubble_fractions_solution_and_mistakes():
-    from course_lib.pipeline import bubble_fractions
-
-    full("lesson07.bubble_fractions", bubble_fractions)
-    for wrong in (bubble_own_span, bubble_of_the_whole):
-        less("lesson07.bubble_fractions", wrong)
+def test_order_solutions_and_mistakes():
+    full("lesson07.gpipe_order", gpipe_order)
+    r = less("lesson07.gpipe_order", gpipe_reversed_backward)
+    assert "same order" in r.reason, r.reason
+    r = less("lesson07.gpipe_order", one_f_one_b_order)
+    assert "micro-batches of activations stored" in r.reason, r.reason
+    full("lesson07.one_f_one_b_order", one_f_one_b_order)
+    r = less("lesson07.one_f_one_b_order", one_f_one_b_off_by_one)
+    assert "micro-batches of activations stored on stage" in r.reason, r.reason
+    r = less("lesson07.one_f_one_b_order", one_f_one_b_uncapped_warmup)
+    assert "not F or B of micro-batches 0 to 1" in r.reason, r.reason
+    r = less("lesson07.one_f_one_b_order", gpipe_order)
+    assert "micro-batches of activations stored on stage" in r.reason, r.reason
+    r = less("lesson07.one_f_one_b_order", one_f_one_b_backward_first)
+    assert "stage 1 runs B of micro-batch 0 before its F" in notes(r), notes(r)

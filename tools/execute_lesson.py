@@ -2,7 +2,7 @@
 rebuild what they generate: what a contributor does after changing a lesson, so the saved
 outputs that nbval compares are the ones the code gives.
 
-    .venv/bin/python tools/execute_lesson.py 04 07b_pipeline_schedules   # stems or numbers
+    .venv/bin/python tools/execute_lesson.py 04 07c_pipeline_schedules   # stems or numbers
 
 Each lesson runs as the suite runs it (a temporary, empty learner's package; no widgets).
 A cell that raises stops the run and leaves the notebook unchanged.

@@ -1,55 +1,113 @@
-"""Lesson 07 (pipeline parallel): micro-batches through stages in one process; the executor's
-forward and backward actions on a stage per rank (2, 3 and 4 of them); schedule orders."""
+"""Lesson 07 (pipeline parallel), in three parts. 07a: the bubble of a timeline, balanced stages,
+micro-batches through the stages in one process. 07b: a stage's messages (header + tensor) on a
+stage per rank (2, 3 and 4 of them). 07c: the executor's forward and backward actions, and the
+schedule orders. Expected values and explanations: `course_lib/grading/references/lesson07.py`.
+"""
 
 from __future__ import annotations
 
 from course_lib.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.grading.catalogue import CheckTimeout
 from course_lib.grading.sub_worlds import register_on_sub_worlds
+from course_lib.i18n import N_
+
+PART_A, PART_B, PART_C = "07a_pipeline_split", "07b_pipeline_messages", "07c_pipeline_schedules"
+
+# --- 07a: lesson07.bubble_fractions ------------------------------------------------------------
+
+VALID = "a split of the layers"  # n_stages non-empty contiguous ranges, every layer once, in order
 
 
-def partition_harness(fn, costs: list, n_stages: int) -> dict | str:
-    """Whether `fn`'s ranges are a valid split, and its largest stage cost: any split with the
-    smallest largest stage is right (ties may be broken either way)."""
+def bubble_harness(fn, spans: list) -> dict | str:
+    """Events from (stage, action, start, end) tuples; the fractions `fn` computes, rounded."""
+    from course_lib.pipeline_split import Event
+
+    events = [Event(rank, action, i, start, end) for i, (rank, action, start, end)
+              in enumerate(spans)]
     try:
-        ranges = [range(r.start, r.stop) for r in fn(costs, n_stages)]
+        return {r: round(f, 9) for r, f in fn(events).items()}
     except ValueError:
         return "raises ValueError"
-    valid = (len(ranges) == n_stages and all(len(r) > 0 and r.step == 1 for r in ranges)
-             and [i for r in ranges for i in r] == list(range(len(costs))))
-    return {"n_stages non-empty contiguous ranges covering every layer in order": valid,
-            "largest stage cost": max(sum(costs[i] for i in r) for r in ranges) if valid else None}
 
 
-def _partition_reference(costs: list, n_stages: int) -> dict | str:
-    from course_lib.pipeline import partition
+register(Exercise(
+    name="lesson07.bubble_fractions",
+    notebook=PART_A,
+    params=("events",),
+    cases=[
+        case([(0, "F", 0.0, 1.0), (1, "F", 1.0, 2.0), (1, "B", 2.0, 3.0), (0, "B", 3.0, 4.0)],
+             label="2 stages, one micro-batch: half idle each"),
+        case([(0, "F", 0.0, 1.0), (0, "F", 1.0, 2.0), (1, "F", 1.0, 2.0), (1, "F", 2.0, 3.0),
+              (1, "B", 3.0, 4.0), (1, "B", 4.0, 5.0), (0, "B", 4.0, 5.0), (0, "B", 5.0, 6.0)],
+             label="2 stages, all forwards then all backwards, m = 2"),
+        case([(2, "F", 5.0, 6.0), (0, "F", 0.0, 3.0), (1, "F", 3.0, 5.0)],
+             label="3 stages, uneven, out of order"),
+        case([], label="no events: an error"),
+    ],
+    reference="lesson07:bubble_fractions",
+    explain="lesson07:explain_bubble",
+    harness=bubble_harness,
+    points=1,
+    hints=("A stage's bubble is its idle share of the whole step. The step runs from the "
+           "earliest start of any stage to the latest end of any stage: one span, the same for "
+           "every stage, so a stage that starts late is idle until it starts.",
+           "Add up each stage's busy time (how long each of its events lasts); what is left of "
+           "the span is idle. Picture the first case: stage 1 starts one unit late and stage 0 "
+           "waits one unit in the middle, so each is idle half of the four units."),
+))
 
-    return partition_harness(partition, costs, n_stages)
+
+# --- 07a: lesson07.partition -------------------------------------------------------------------
+
+def partition_harness(fn, costs: list, n_stages: int) -> dict | str:
+    """Whether `fn`'s ranges are a valid split (or what is wrong with them), and its largest
+    stage cost: any split with the smallest largest stage is right (ties either way)."""
+    try:
+        ranges = list(fn(costs, n_stages))
+    except ValueError:
+        return "raises ValueError"
+    layers = [i for r in ranges for i in r]
+    problem = (N_("not one range per stage") if len(ranges) != n_stages else
+               N_("a stage is empty") if any(len(r) == 0 for r in ranges) else
+               N_("a range that skips layers") if any(r.step != 1 for r in ranges) else
+               N_("not every layer once, in order") if layers != list(range(len(costs))) else
+               None)
+    return {VALID: problem or True,
+            "largest stage cost": None if problem else max(sum(costs[i] for i in r)
+                                                          for r in ranges)}
 
 
 register(Exercise(
     name="lesson07.partition",
-    notebook="07_pipeline_parallel",
+    notebook=PART_A,
     params=("costs", "n_stages"),
     cases=[
         case([1, 1, 1, 1], 2, label="4 equal layers, 2 stages"),
         case([5, 1, 1, 1, 1, 1], 2, label="a heavy first layer"),
         case([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, label="growing costs, 3 stages"),
-        case([4, 1, 1, 4, 1, 1, 4], 3, label="greedy filling to the average fails"),
+        case([4, 1, 1, 4, 1, 1, 4], 3, label="three heavy layers, 3 stages"),
         case([3, 3, 3], 3, label="one layer per stage"),
         case([1, 100, 1, 1], 3, label="one layer dominates"),
         case([2, 2], 3, label="more stages than layers: an error"),
     ],
-    reference=_partition_reference,
+    reference="lesson07:partition",
+    explain="lesson07:explain_partition",
     harness=partition_harness,
     points=2,
-    hints=("Dynamic programming over prefix sums: best[k][i] = the smallest largest stage cost of "
-          "layers[:i] in k stages = min over j of max(best[k-1][j], cost(j..i)); remember the j "
-          "that won, and walk the cuts back from best[n_stages][n]. Every stage non-empty; "
-          "n_stages > len(costs) is a ValueError.",),
+    hints=("Build a table over (stages, layers): the smallest largest stage for the first few "
+           "layers in a few stages. An entry follows from entries with one stage fewer, because "
+           "the best split ends with one last stage after the best split of what comes before.",
+           "For a prefix of layers in k stages, try every place for the last cut: the candidate "
+           "is the larger of the table's entry before the cut (k - 1 stages) and the cost of the "
+           "layers after it; keep the smallest, and remember which cut won. Walking the winning "
+           "cuts back from all layers in all stages gives the ranges."),
 ))
 
 
-def _model_and_batch(seed: int, batch: int = 8):
+# --- 07a: lesson07.pipeline_grads --------------------------------------------------------------
+
+def model_and_batch(seed: int, batch: int = 8):
+    """The float64 model every stage check splits, and its batch."""
     import torch
     from torch import nn
 
@@ -61,94 +119,172 @@ def _model_and_batch(seed: int, batch: int = 8):
             torch.randn(batch, 3, generator=g, dtype=torch.float64))
 
 
-def pipeline_harness(fn, seed: int, n_stages: int, n_microbatches: int) -> list:
-    """Split the model into stages, let `fn` run the micro-batches, return every .grad."""
+def pipeline_harness(fn, seed: int, n_stages: int, n_microbatches: int) -> dict:
+    """Split the model into stages, let `fn` run the micro-batches, return each stage's .grad."""
     from torch.nn import functional as F
 
-    from course_lib.pipeline import split_sequential
+    from course_lib.pipeline_split import split_sequential
 
-    model, x, y = _model_and_batch(seed)
-    fn(split_sequential(model, n_stages), x, y, F.mse_loss, n_microbatches)
-    return [p.grad for p in model.parameters()]
-
-
-def _full_batch_grads(seed: int, n_stages: int, n_microbatches: int) -> list:
-    from torch.nn import functional as F
-
-    model, x, y = _model_and_batch(seed)
-    F.mse_loss(model(x), y).backward()
-    return [p.grad for p in model.parameters()]
+    model, x, y = model_and_batch(seed)
+    stages = split_sequential(model, n_stages)
+    fn(stages, x, y, F.mse_loss, n_microbatches)
+    return {f"stage {s} gradients": [p.grad for p in stage.parameters()]
+            for s, stage in enumerate(stages)}
 
 
 register(Exercise(
     name="lesson07.pipeline_grads",
-    notebook="07_pipeline_parallel",
+    notebook=PART_A,
     params=("stages", "x", "target", "loss_fn", "n_microbatches"),
     cases=[case(0, 2, 1, label="2 stages, 1 micro-batch"),
            case(0, 2, 4, label="2 stages, 4 micro-batches"),
            case(1, 3, 4, label="3 stages, 4 micro-batches"),
            case(2, 4, 8, label="4 stages, 8 micro-batches")],
-    reference=_full_batch_grads,
+    reference="lesson07:full_batch_grads",
+    explain="lesson07:explain_stage_grads",
     harness=pipeline_harness,
     points=3,
     rtol=1e-9, atol=1e-12,
-    hints=("Forward each micro-batch through the stages, giving every stage a detached copy of "
-          "its input with requires_grad and keeping (input, output) per stage. Backward each "
-          "micro-batch: loss / n_microbatches on the last stage, then out.backward(grad) with "
-          "the grad of the next stage's input, for the SAME micro-batch.",),
+    hints=("Two invariants. Each micro-batch's loss counts for 1/m of the batch's loss. And a "
+           "stage's backward for a micro-batch starts from the gradient that the next stage's "
+           "input received for that same micro-batch.",
+           "Keep, for every micro-batch and every stage, the detached input you fed the stage "
+           "and the output it gave. Then, micro-batch by micro-batch, go backward from the last "
+           "stage's scaled loss and walk the stages back, each one's output taking the gradient "
+           "that the next stage's input received."),
 ))
 
 
-def _order(kind: str):
-    from course_lib import pipeline
-
-    return getattr(pipeline, kind)
-
-
-def _reference(kind: str):
-    def ref(n_microbatches: int, num_stages: int, stage_index: int) -> list:
-        return [tuple(a) for a in _order(kind)(n_microbatches, num_stages, stage_index)]
-    return ref
+# --- 07b: lesson07.stage_send and stage_recv: every link of 2, 3 and 4 stages, both ways -------
+# Stage s sends micro-batch j's activation to stage s + 1 as a (2, 3 + s) tensor full of
+# 10 s + j, and its gradient to stage s - 1 as a (2, 2 + s) tensor full of -(10 s + j); it sends
+# everything first, then receives, so one stage's error never leaves another waiting. Each rank
+# returns what it received, in order (described: dtype, shape, values), and the messages and
+# bytes it sent. The check of stage_send receives without stage_recv (the next exercise): into
+# buffers shaped as sent, returning each header too.
 
 
-def order_harness(fn, n_microbatches: int, num_stages: int, stage_index: int) -> list:
-    return [tuple(a) for a in fn(n_microbatches, num_stages, stage_index)]
+def link_value(s: int, j: int, tag: int, dtype):
+    """What stage s sends for micro-batch j with `tag` (1: activation, 2: gradient)."""
+    import torch
+
+    if tag == 1:
+        return torch.full((2, 3 + s), 10 * s + j, dtype=dtype)
+    return torch.full((2, 2 + s), -(10 * s + j), dtype=dtype)
 
 
-_ORDER_CASES = [case(4, 2, 0, label="m=4, p=2, stage 0"), case(4, 2, 1, label="m=4, p=2, stage 1"),
-                case(8, 4, 0, label="m=8, p=4, stage 0"), case(8, 4, 2, label="m=8, p=4, stage 2"),
-                case(2, 4, 0, label="m=2 < p=4, stage 0"), case(1, 3, 2, label="m=1, p=3, last")]
+def describe(t) -> list:
+    """A received tensor as the check shows it: [dtype, shape, its distinct values (up to 3)]."""
+    import torch
 
-register(Exercise(
-    name="lesson07.gpipe_order",
-    notebook="07_pipeline_parallel",
-    params=("n_microbatches", "num_stages", "stage_index"),
-    cases=_ORDER_CASES,
-    reference=_reference("gpipe_order"),
-    harness=order_harness,
-    points=1,
-    hints=("All forwards F0..F(m-1), then all backwards B0..B(m-1), in the same micro-batch order "
-         "on every stage, so a gradient always meets its own activations.",),
-))
-
-register(Exercise(
-    name="lesson07.one_f_one_b_order",
-    notebook="07_pipeline_parallel",
-    params=("n_microbatches", "num_stages", "stage_index"),
-    cases=_ORDER_CASES,
-    reference=_reference("one_f_one_b_order"),
-    harness=order_harness,
-    points=2,
-    hints=("Warm up with min(p - 1 - stage, m) forwards; then for each remaining micro-batch one "
-         "forward (the next one) and one backward (the oldest); then the leftover backwards.",),
-))
+    if not isinstance(t, torch.Tensor):
+        return [type(t).__name__]
+    values = sorted({float(v) for v in t.detach().flatten().tolist()})
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), values[:3]]
 
 
-# --- lesson07.forward_step and lesson07.backward_step: the executor on real ranks --------------
+def _links_body(dist, rank: int, fn, which: str, dtype: str, m: int, post: bool,
+                skew: int) -> dict:
+    import torch
+
+    from course_lib import pipeline_stage as ps
+
+    k = dist.get_world_size()
+    stage = ps.PipelineStage(torch.nn.Identity(), rank, k, dist=dist)
+    if which == "send":
+        stage.send = lambda *args: fn(stage, *args)
+    else:
+        stage.recv = lambda *args: fn(stage, *args)
+    kind = getattr(torch, dtype)
+    received: list = []
+    result: dict = {"received": received}
+    try:
+        for tag, dst in ((ps.ACTIVATION_TAG, stage.next), (ps.GRADIENT_TAG, stage.prev)):
+            for j in range(m if dst is not None else 0):
+                # `skew` labels stage 0's activations wrongly: a schedule out of step
+                label = j + skew if tag == ps.ACTIVATION_TAG and rank == 0 else j
+                stage.send(link_value(rank, j, tag, kind), dst, tag, label)
+        for tag, src in ((ps.ACTIVATION_TAG, stage.prev), (ps.GRADIENT_TAG, stage.next)):
+            for j in range(m if src is not None else 0):
+                if which == "send":  # no stage_recv yet: buffers shaped as sent, and the header
+                    sender = rank - 1 if tag == ps.ACTIVATION_TAG else rank + 1
+                    stage.irecv(src, tag, j, like=link_value(sender, j, tag, kind))
+                    posted = stage.take_posted(src, tag)
+                    for work in posted.works:
+                        work.wait()
+                    tensor = posted.tensor
+                    result.setdefault("headers", []).append(posted.header.tolist())
+                else:
+                    tensor = stage.recv(src, tag, j)
+                    if post and j + 1 < m:
+                        stage.irecv(src, tag, j + 1, like=tensor)
+                received.append(describe(tensor))
+        stage.wait_sends()
+    except (NotImplementedError, CheckTimeout):
+        raise  # a stub is "not implemented yet"; a call past its time limit must stop
+    except Exception as exc:  # noqa: BLE001 - what the learner's code raised is the result
+        result["raised"] = type(exc).__name__ if skew else \
+            f"{type(exc).__name__}: {str(exc)[:200]}"
+    result["messages sent"] = dist.calls["isend"] + dist.calls["send"]
+    result["bytes sent"] = dist.payload["isend"] + dist.payload["send"]
+    return result
+
+
+def links_harness(which: str):
+    def harness(fn, rank: int, world_size: int, k: int, dtype: str, m: int, post: bool,
+                skew: int = 0):
+        from course_lib.grading.sub_worlds import on_first_ranks
+
+        return on_first_ranks(k, _links_body, fn, which, dtype, m, post, skew)
+    return harness
+
+
+LINK_CASES = [
+    case(RANK, WORLD_SIZE, 2, "float64", 3, True, label="2 stages, float64, 3 micro-batches"),
+    case(RANK, WORLD_SIZE, 3, "float32", 4, False,
+         label="3 stages, float32, 4 micro-batches, no posted receives"),
+    case(RANK, WORLD_SIZE, 4, "float16", 3, True, label="4 stages, float16, 3 micro-batches"),
+    case(RANK, WORLD_SIZE, 3, "float64", 2, False, 3,
+         label="3 stages, stage 0 out of step (labels micro-batch j as j + 3)"),
+]
+
+for _which, _name, _hints in (
+        ("send", "stage_send",
+         (N_("Each call is two messages, in the order the receiver reads them: the header, which "
+             "describes the tensor and names its micro-batch, then the tensor itself, both with "
+             "the caller's tag. A stage never waits for its own send: it starts it and moves on."),
+          N_("Send a detached, contiguous copy (autograd history and strides do not travel). The "
+             "stage waits for every started send later, in wait_sends, so hand it each send's work "
+             "and tensor (the tensor must outlive the send). A transport error becomes the "
+             "stage's error, naming what was sent, to which rank."))),
+        ("recv", "stage_recv",
+         (N_("The header arrives first and says how to allocate the tensor (dtype, number of "
+             "dimensions, shape) and which micro-batch it is. Receive it, build the buffer it "
+             "describes, receive into it, and only then trust it: a header for another "
+             "micro-batch than the one asked for is an error."),
+          N_("If irecv already posted this peer and tag, the buffers exist and the receives are "
+             "running: wait for them instead of receiving again, and check the header against "
+             "both the micro-batch asked for and the buffer posted for it. Any transport error "
+             "becomes the stage's error, naming what was expected, from which rank.")))):
+    register_on_sub_worlds(
+        f"lesson07.{_name}", PART_B,
+        params=("stage", "tensor", "dst", "tag", "microbatch") if _which == "send" else
+        ("stage", "src", "tag", "microbatch"),
+        cases=LINK_CASES,
+        reference=f"lesson07:links_{_which}",
+        explain="lesson07:explain_links",
+        harness=links_harness(_which),
+        points=3,
+        time_limit=5.0,  # well under a second; a receive of a message never sent hangs
+        hints=_hints,
+    )
+
+
+# --- 07c: lesson07.forward_step and backward_step, the executor on real ranks ------------------
 # One training step of the library's schedule with the learner's function for F or B, a stage
 # per rank on the first 2, 3 and 4 ranks, against one process on the whole batch.
 
-_MB = 2  # samples per micro-batch
+MICROBATCH = 2  # samples per micro-batch
 
 
 def _executor_body(dist, rank: int, fn, which: str, kind: str, m: int, seed: int) -> dict:
@@ -157,18 +293,14 @@ def _executor_body(dist, rank: int, fn, which: str, kind: str, m: int, seed: int
     from course_lib import pipeline
 
     k = dist.get_world_size()
-    model, x, y = _model_and_batch(seed, batch=_MB * m)
+    model, x, y = model_and_batch(seed, batch=MICROBATCH * m)
     stage = pipeline.PipelineStage(pipeline.split_sequential(model, k)[rank], rank, k, dist=dist)
     schedule = {"1F1B": pipeline.Schedule1F1B, "GPipe": pipeline.ScheduleGPipe}[kind](
         stage, m, loss_fn=F.mse_loss)
     if which == "F":
         schedule._forward = lambda mb: fn(schedule, mb)
-    elif which == "B":
-        schedule._backward = lambda mb: fn(schedule, mb)
-    elif which == "send":
-        stage.send = lambda *args: fn(stage, *args)
     else:
-        stage.recv = lambda *args: fn(stage, *args)
+        schedule._backward = lambda mb: fn(schedule, mb)
     last = rank == k - 1
     losses: list = []
     out = schedule.step(*([x] if rank == 0 else []), target=y if last else None,
@@ -189,114 +321,84 @@ def executor_harness(which: str):
     return harness
 
 
-def _executor_reference(rank: int, world_size: int, k: int, kind: str, m: int, seed: int):
-    from torch.nn import functional as F
-
-    from course_lib.pipeline import MAX_DIMS, split_sequential
-
-    if rank >= k:
-        return None
-    model, x, y = _model_and_batch(seed, batch=_MB * m)
-    out = model(x)
-    F.mse_loss(out, y).backward()
-    stages = split_sequential(model, k)
-    crossing, h = [], x[:_MB]  # the bytes of one micro-batch's activation after each cut
-    for s in stages[:-1]:
-        h = s(h)
-        crossing.append(h.numel() * h.element_size())
-    header = (3 + MAX_DIMS) * 8
-    # Every micro-batch crosses each of this stage's links once each way, a header and a tensor:
-    # out to the next stage as an activation, back to the previous one as a gradient.
-    links = ([crossing[rank]] if rank < k - 1 else []) + ([crossing[rank - 1]] if rank else [])
-    result = {"stage gradients": [p.grad for p in stages[rank].parameters()],
-              "messages sent": 2 * m * len(links),
-              "bytes sent": m * sum(header + n for n in links)}
-    if rank == k - 1:
-        result["output"] = out.detach()
-        result["losses"] = [F.mse_loss(model(xc), yc).detach()
-                            for xc, yc in zip(x.chunk(m), y.chunk(m))]
-    return result
-
-
-_EXECUTOR_CASES = [
+EXECUTOR_CASES = [
     case(RANK, WORLD_SIZE, 2, "1F1B", 4, 0, label="2 stages, 1F1B, 4 micro-batches"),
     case(RANK, WORLD_SIZE, 3, "1F1B", 5, 1, label="3 stages, 1F1B, 5 micro-batches"),
     case(RANK, WORLD_SIZE, 4, "1F1B", 2, 2, label="4 stages, 1F1B, 2 < 4 micro-batches"),
     case(RANK, WORLD_SIZE, 4, "GPipe", 4, 3, label="4 stages, GPipe, 4 micro-batches"),
 ]
 
-for _which, _name, _hint in (
-        ("send", "stage_send",
-         "For the header (_header(tensor, microbatch)) and then the detached, contiguous "
-         "tensor: stage._sending.append((stage.dist.isend(t, dst, group=stage.group, tag=tag), "
-         "t, dst, what)). Never wait here; wrap a transport error in stage._fail(what, dst, exc)."),
-        ("recv", "stage_recv",
-         "posted = stage._posted.pop((src, tag), None): if posted, wait for its works; else "
-         "recv a 3 + MAX_DIMS int64 header, torch.empty(shape[:ndim], dtype=DTYPES[code]) and "
-         "recv into it, all with group=stage.group and tag. Raise if header[1] != microbatch "
-         "(or a posted header disagrees with _header(tensor, microbatch))."),
+for _which, _name, _hints in (
         ("F", "forward_step",
-         "First stage: [a[mb] for a in sched.inputs]; else recv(prev, ACTIVATION_TAG, mb) and "
-         ".requires_grad_(), then irecv micro-batch mb + 1. Compute inside sched.measure('F', "
-         "mb); the last stage's loss is divided by n_microbatches (scale_grads). Stash (input, "
-         "output or scaled loss) under mb; send the output to stage.next unless last."),
+         (N_("F of micro-batch mb on one stage: get the input (the batch's slice on the first "
+             "stage, else the previous stage's activation of mb), compute, keep what B of mb will "
+             "need, and pass the output on; the last stage turns it into the micro-batch's loss."),
+          N_("A received activation is where this stage's autograd graph begins: it must require "
+             "grad, or B cannot send its gradient back. Post the next micro-batch's receive as "
+             "soon as this one has arrived. The last stage keeps the loss divided by m for B, and "
+             "records the output and the undivided loss."))),
         ("B", "backward_step",
-         "Pop sched.stash[mb] (missing: an error naming stage and micro-batch). Unless last, "
-         "recv(next, GRADIENT_TAG, mb) and irecv mb + 1. torch.autograd.backward(out, grad) "
-         "inside sched.measure('B', mb); unless first, send input.grad to stage.prev with "
-         "GRADIENT_TAG.")):
+         (N_("B of micro-batch mb mirrors its F: the gradient of this stage's output arrives from "
+             "the next stage, goes backward through what F of mb kept, and the gradient of this "
+             "stage's input goes to the previous stage."),
+          N_("Take micro-batch mb's own stash, never another's (none is an error). The last stage "
+             "has no incoming gradient: it starts from its scaled loss. Post the next gradient's "
+             "receive once this one has arrived, and time the backward in the schedule's "
+             "measure, as F times its compute.")))):
     register_on_sub_worlds(
-        f"lesson07.{_name}", "07_pipeline_parallel",
-        params=("stage", "tensor", "dst", "tag", "microbatch") if _which == "send" else
-        ("stage", "src", "tag", "microbatch") if _which == "recv" else ("sched", "mb"),
-        cases=_EXECUTOR_CASES,
-        reference=_executor_reference,
+        f"lesson07.{_name}", PART_C,
+        params=("sched", "mb"),
+        cases=EXECUTOR_CASES,
+        reference="lesson07:executor",
+        explain="lesson07:explain_executor",
         harness=executor_harness(_which),
         points=3,
         time_limit=5.0,  # a step takes well under a second; a message to the wrong peer hangs
         rtol=1e-9,
         atol=1e-12,
-        hints=(_hint,),
+        hints=_hints,
     )
 
 
-# --- lesson07.bubble_fractions -----------------------------------------------------------------
+# --- 07c: lesson07.gpipe_order and one_f_one_b_order -------------------------------------------
 
-def bubble_harness(fn, spans: list) -> dict | str:
-    """Events from (stage, action, start, end) tuples; the fractions `fn` computes, rounded."""
-    from course_lib.pipeline import Event
-
-    events = [Event(rank, action, i, start, end) for i, (rank, action, start, end)
-              in enumerate(spans)]
-    try:
-        return {r: round(f, 9) for r, f in fn(events).items()}
-    except ValueError:
-        return "raises ValueError"
+def order_harness(fn, n_microbatches: int, num_stages: int, stage_index: int) -> list:
+    return [tuple(a) for a in fn(n_microbatches, num_stages, stage_index)]
 
 
-def _bubble_reference(spans: list) -> dict | str:
-    from course_lib.pipeline import bubble_fractions
-
-    return bubble_harness(bubble_fractions, spans)
-
+ORDER_CASES = [case(4, 2, 0, label="m=4, p=2, stage 0"), case(4, 2, 1, label="m=4, p=2, stage 1"),
+               case(8, 4, 0, label="m=8, p=4, stage 0"), case(8, 4, 2, label="m=8, p=4, stage 2"),
+               case(2, 4, 0, label="m=2 < p=4, stage 0"), case(1, 3, 2, label="m=1, p=3, last")]
 
 register(Exercise(
-    name="lesson07.bubble_fractions",
-    notebook="07_pipeline_parallel",
-    params=("events",),
-    cases=[
-        case([(0, "F", 0.0, 1.0), (1, "F", 1.0, 2.0), (1, "B", 2.0, 3.0), (0, "B", 3.0, 4.0)],
-             label="2 stages, one micro-batch: half idle each"),
-        case([(0, "F", 0.0, 1.0), (0, "F", 1.0, 2.0), (1, "F", 1.0, 2.0), (1, "F", 2.0, 3.0),
-              (1, "B", 3.0, 4.0), (1, "B", 4.0, 5.0), (0, "B", 4.0, 5.0), (0, "B", 5.0, 6.0)],
-             label="2 stages, GPipe, m = 2"),
-        case([(2, "F", 5.0, 6.0), (0, "F", 0.0, 3.0), (1, "F", 3.0, 5.0)],
-             label="3 stages, uneven, out of order"),
-        case([], label="no events: an error"),
-    ],
-    reference=_bubble_reference,
-    harness=bubble_harness,
+    name="lesson07.gpipe_order",
+    notebook=PART_C,
+    params=("n_microbatches", "num_stages", "stage_index"),
+    cases=ORDER_CASES,
+    reference="lesson07:gpipe_order",
+    explain="lesson07:explain_gpipe_order",
+    harness=order_harness,
     points=1,
-    hints=("span = max(e.end) - min(e.start) over all events; per e.rank, busy = sum of e.end - "
-          "e.start; fraction = 1 - busy / span, for each stage; raise ValueError on [].",),
+    hints=("Every stage: all the forwards, then all the backwards, the backwards in the same "
+           "micro-batch order as the forwards, and the same list on every stage.",
+           "The list is of (action, micro-batch) pairs; for two micro-batches it reads F0, F1, "
+           "B0, B1 on every stage."),
+))
+
+register(Exercise(
+    name="lesson07.one_f_one_b_order",
+    notebook=PART_C,
+    params=("n_microbatches", "num_stages", "stage_index"),
+    cases=ORDER_CASES,
+    reference="lesson07:one_f_one_b_order",
+    explain="lesson07:explain_1f1b_order",
+    harness=order_harness,
+    points=2,
+    hints=("Three phases: warm up with forwards, then alternate one forward and one backward "
+           "(the oldest micro-batch still stored), then drain the backwards left. The last "
+           "stage needs no warm-up; each stage before it keeps one more micro-batch in flight "
+           "than the stage after it.",
+           "Picture p = 4, m = 8: stage 3 runs F0 B0 F1 B1 ..., stage 2 F0 F1 B0 F2 B1 ..., "
+           "stage 0 starts with four forwards before B0. With fewer micro-batches than the "
+           "warm-up wants, the warm-up stops at m."),
 ))
