@@ -5,7 +5,8 @@ Every collective is an `Entry` (sequence number in its group, op, dtype and shap
 state), the last `TRACE_SIZE` kept per group, as NCCL's flight recorder keeps them
 (`TORCH_NCCL_TRACE_BUFFER_SIZE`). When a collective fails, the rank asks every other rank of
 the group for its record (the transport's `query`, answered by the peer's listener thread, so
-a rank asleep or stuck elsewhere still answers) and `diagnose` says who is behind. With
+a rank asleep or stuck elsewhere still answers) and `diagnose` says who is behind: lesson 09b's
+`course_lib.dist.diagnosis.standing` reads each record, `diagnose` puts the verdicts in words. With
 `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch's switch, read at init) every collective first trades
 `fingerprint`s with its group, so ranks calling different collectives, shapes or dtypes at
 the same sequence number fail at once, naming both.
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from course_lib.dist import diagnosis
 from course_lib.dist.wire import DTYPE_CODE, DTYPES
 from course_lib.i18n import N_, _
 
@@ -99,7 +101,7 @@ def from_fingerprint(f: torch.Tensor) -> Entry:
 
 
 def same_call(a: Entry, b: Entry) -> bool:
-    return (a.seq, a.op, a.dtype, a.shape) == (b.seq, b.op, b.dtype, b.shape)
+    return diagnosis.same_call(vars(a), vars(b))
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -108,30 +110,45 @@ def _ranks(ranks: list[int]) -> str:
     return _("ranks {ranks} and {last}", ranks=", ".join(map(str, ranks[:-1])), last=ranks[-1])
 
 
+def _note(verdict: dict, rank: int, entry: Entry, group: str,
+          by_state: dict[str, list[int]]) -> str | None:
+    """A rank's verdict in words, or None when it made the same call (then it is counted in
+    `by_state` under the state it has it in)."""
+    kind = verdict["verdict"]
+    if kind == "no answer":
+        return _("rank {rank} did not answer (its process may be gone)", rank=rank)
+    if kind == "same call":
+        by_state[verdict["state"]].append(rank)
+        return None
+    seq = verdict["last completed"]
+    last = (_("last completed #{seq}", seq=seq) if seq is not None else
+            _("completed none of this group's"))
+    now, called = verdict["in"], verdict["called"]
+    if now:
+        where = _("is in {call}", call=Entry(**now).what(group))
+    elif called:
+        where = _("called {call} ({state})", call=Entry(**called).what(group),
+                  state=_(called["state"]))
+    else:
+        where = _("is not in a collective (it has not called #{seq})", seq=entry.seq)
+    return _("rank {rank} {last} and {where}", rank=rank, last=last, where=where)
+
+
 def diagnose(entry: Entry, group: str, records: dict[int, list[dict] | None]) -> str:
     """What every other rank's record says about `entry`: who completed it, who is in it too,
-    and for the rest what they last completed and where they are now."""
+    and for the rest what they last completed and where they are now (each rank's verdict is
+    `diagnosis.standing`'s, the learner's own once lesson 09b is done)."""
+    call = asdict(entry)
     by_state: dict[str, list[int]] = {"completed": [], "started": [], "failed": []}
     notes = []
     for rank, record in sorted(records.items()):
-        if record is None:
-            notes.append(_("rank {rank} did not answer (its process may be gone)", rank=rank))
-            continue
-        entries = [Entry(**e) for e in record]
-        at_seq = [e for e in entries if e.seq == entry.seq]
-        if at_seq and same_call(at_seq[-1], entry):
-            by_state[at_seq[-1].state].append(rank)
-            continue
-        done = [e.seq for e in entries if e.state == "completed" and e.seq < entry.seq]
-        last = (_("last completed #{seq}", seq=max(done)) if done else
-                _("completed none of this group's"))
-        now = [e for e in entries if e.state == "started"]
-        where = (_("is in {call}", call=now[-1].what(group)) if now else
-                 _("is not in a collective (it has not called #{seq})", seq=entry.seq))
-        if at_seq and not now:
-            where = _("called {call} ({state})", call=at_seq[-1].what(group),
-                      state=_(at_seq[-1].state))
-        notes.append(_("rank {rank} {last} and {where}", rank=rank, last=last, where=where))
+        try:
+            note = _note(diagnosis.standing(call, record), rank, entry, group, by_state)
+        except Exception as exc:  # noqa: BLE001 - an unfinished exercise must not hide the error
+            note = (f"rank {rank}: no verdict ({type(exc).__name__} in "
+                    "course_lib.dist.diagnosis.standing, lesson 09b)")
+        if note:
+            notes.append(note)
     done, inside, failed = by_state["completed"], by_state["started"], by_state["failed"]
     # one message per number, as Spanish (and English's "is"/"are") agree the verb with it
     parts = []

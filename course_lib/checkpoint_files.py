@@ -1,0 +1,450 @@
+"""The files of a checkpoint, for lesson 09a's `save` and `load` (`course_lib.checkpoint`).
+
+A checkpoint is a folder: one safetensors file per rank that holds something, and
+`manifest.json`, written last, naming every tensor's pieces (file, offset in the flattened
+tensor, length) and every file's size and CRC-32. Nothing is unpickled: tensors are raw bytes,
+everything else JSON. What the lesson teaches (the order of the writes, the agreement between
+ranks, which saved pieces a rank reads, the checks before anything is changed) is written by
+the learner in `course_lib.checkpoint`; this module holds the format and the bookkeeping:
+
+- `flatten`: a nested state dict's leaves by dotted key, as DCP names them;
+- `plan_save`: every rank's holdings, all-gathered as JSON; who writes which tensor (a
+  replicated one by the least loaded holder), the shard names, the manifest's text;
+- `write_shard`: a safetensors file straight from tensor memory, hashed as it goes out, through
+  the atomic writer it is given;
+- `read_manifest`, `map_file`, `parse_shard`, `crc32`: reading back, nothing trusted unchecked;
+- `destinations`: where each tensor of a state dict is filled from, its dtype and shape checked;
+- `attempt`, `all_gather_json`, `agree`: every rank hears of every rank's failure, so no rank
+  waits forever on one that gave up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import secrets
+import struct
+import threading
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from course_lib.backend import default_dist
+from course_lib.dist.wire import byte_view
+from course_lib.zero import Piece
+
+MANIFEST = "manifest.json"
+FORMAT = "course_lib.checkpoint/1"
+VALUE_TYPES = (int, float, str, bool, type(None))
+ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+            torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # safetensors' names
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded, naming the file and the rank."""
+
+
+class Crc32:
+    """zlib's CRC-32 with hashlib's update/hexdigest: twice SHA-256's speed, and enough to
+    catch torn writes and flipped bits (a manifest is not a signature either way)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def crc32(data: Any) -> str:
+    """The CRC-32 of a buffer (bytes, a memoryview, a uint8 tensor) as the manifest writes it."""
+    digest = Crc32()
+    digest.update(data.numpy() if isinstance(data, torch.Tensor) else data)
+    return digest.hexdigest()
+
+
+# -- state dicts -------------------------------------------------------------------------------
+
+
+def flatten(state_dict: Any, prefix: str = "") -> dict[str, tuple[Any, Any, Any]]:
+    """Every leaf of a nested dict/list as `{dotted key: (leaf, container, key in it)}`, the
+    way DCP flattens ("optim.state.0.weight.exp_avg"); the container lets `load` replace values."""
+    out: dict[str, tuple[Any, Any, Any]] = {}
+    items = state_dict.items() if isinstance(state_dict, dict) else enumerate(state_dict)
+    for k, v in items:
+        if not isinstance(k, (str, int)):
+            raise TypeError(f"checkpoint: key {k!r} under {prefix or 'the root'!r} is not a str")
+        key = f"{prefix}{k}"
+        if isinstance(v, (dict, list)) and len(v):
+            sub = flatten(v, key + ".")
+        elif isinstance(v, (torch.Tensor, Piece, dict, list) + VALUE_TYPES):
+            sub = {key: (v, state_dict, k)}
+        else:
+            raise TypeError(f"checkpoint: {key!r} is a {type(v).__name__}; a state dict holds "
+                            "tensors, Pieces, JSON values and dicts/lists of them")
+        clash = out.keys() & sub.keys()
+        if clash:
+            raise ValueError(f"checkpoint: two entries flatten to the key {clash.pop()!r}")
+        out.update(sub)
+    return out
+
+
+def is_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, Piece))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(leaf: Any) -> dict:
+    """What this rank holds under one key, as plain JSON."""
+    if isinstance(leaf, Piece):
+        return {"kind": "piece", "dtype": dtype_name(leaf.tensor.dtype),
+                "shape": list(leaf.shape), "offset": leaf.offset, "numel": leaf.tensor.numel()}
+    if isinstance(leaf, torch.Tensor):
+        return {"kind": "tensor", "dtype": dtype_name(leaf.dtype), "shape": list(leaf.shape),
+                "offset": 0, "numel": leaf.numel()}
+    return {"kind": "value", "value": leaf}
+
+
+def flat(leaf: Any) -> torch.Tensor:
+    """A leaf's values as one contiguous row (a copy only when they are not contiguous)."""
+    return (leaf.tensor if isinstance(leaf, Piece) else leaf).detach().reshape(-1).contiguous()
+
+
+# -- every rank hears of every rank --------------------------------------------------------------
+
+
+def rank_and_size(dist: Any, group: Any) -> tuple[Any, int, int]:
+    """(dist or None for one process, this rank in the group, the group's size)."""
+    dist = default_dist(dist)
+    if not dist.is_initialized():
+        return None, 0, 1
+    return dist, dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_json(obj: Any, dist: Any, group: Any, world: int) -> list[Any]:
+    """Every rank's `obj`, in rank order, as JSON bytes in uint8 tensors (never pickled)."""
+    if dist is None:
+        return [obj]
+    data = json.dumps(obj).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [json.loads(bytes(t[:int(s.item())].numpy())) for t, s in zip(everyone, sizes)]
+
+
+def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """(fn(*args), None), or (None, what went wrong) if it raised: a failure to tell the other
+    ranks about instead of leaving them waiting."""
+    try:
+        return fn(*args), None
+    except CheckpointError as exc:
+        return None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait for it
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def agree(errors: list[str | None], what: str) -> None:
+    """Raise one CheckpointError naming every rank whose entry in `errors` (all ranks' outcomes,
+    in rank order, as `all_gather_json` returns them) is an error; nothing if none is."""
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"{what}: " + "; ".join(failed))
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, Any], list[list]]:
+    """From every rank's holdings: each tensor's entry (dtype, shape, pieces), the values, and
+    what each rank writes (keys and pieces), sharing replicated tensors' writes out by bytes."""
+    entries: dict[str, dict] = {}
+    values: dict[str, Any] = {}
+    writes: list[list] = [[] for _ in plans]
+    load = [0] * len(plans)
+    for key in sorted({k for p in plans for k in p}):
+        held = [(r, p[key]) for r, p in enumerate(plans) if key in p]
+        kinds = {h["kind"] for _, h in held}
+        if len(kinds) > 1:
+            raise ValueError(f"{key!r} is a {' on some ranks and a '.join(sorted(kinds))} on "
+                             "others")
+        if kinds == {"value"}:
+            differ = [r for r, h in held if h["value"] != held[0][1]["value"]]
+            if differ:
+                raise ValueError(f"{key!r} differs between rank {held[0][0]} and rank "
+                                 f"{differ[0]}: key a rank's own state by its rank")
+            values[key] = held[0][1]["value"]
+            continue
+        r0, h0 = held[0]
+        for r, h in held:
+            if (h["dtype"], h["shape"]) != (h0["dtype"], h0["shape"]):
+                raise ValueError(f"{key!r} is {h0['dtype']}{h0['shape']} on rank {r0} but "
+                                 f"{h['dtype']}{h['shape']} on rank {r}")
+        pieces: dict[tuple[int, int], int] = {}
+        for r, h in held:
+            span = (h["offset"], h["numel"])
+            if span not in pieces or load[r] < load[pieces[span]]:
+                pieces[span] = r  # replicated: the least loaded holder writes it
+        numel = math.prod(h0["shape"])
+        entries[key] = {"dtype": h0["dtype"], "shape": h0["shape"], "pieces": []}
+        at = 0
+        for (offset, n), r in sorted(pieces.items()):
+            if offset != at or offset + n > numel:
+                raise ValueError(f"{key!r}: its pieces overlap or leave elements "
+                                 f"[{at}, {offset}) of {numel} to no rank")
+            at = offset + n
+            name = key if h0["kind"] == "tensor" else f"{key}@{offset}"
+            entries[key]["pieces"].append({"rank": r, "name": name, "offset": offset,
+                                           "numel": n})
+            writes[r].append((key, name))
+            load[r] += n
+        if at != numel:
+            raise ValueError(f"{key!r}: elements [{at}, {numel}) are held by no rank")
+    return entries, values, writes
+
+
+def shard_name(rank: int, world: int, token: str) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.{token}.safetensors"
+
+
+class SavePlan:
+    """What one save writes, the same on every rank: `shard(rank)` names a rank's file,
+    `tensors(rank)` is what this rank writes into it, `manifest(infos)` the manifest's text
+    once every rank's file info is known, `remove_others(folder)` deletes an earlier save's
+    files once this save's manifest is the one on disk."""
+
+    def __init__(self, leaves: dict, plans: list[dict], world: int, token: str, folder: Path):
+        entries, self.values, self.writes = plan_writes(plans)
+        self.leaves, self.world, self.token, self.folder = leaves, world, token, folder
+        for entry in entries.values():
+            for piece in entry["pieces"]:
+                piece["file"] = self.shard(piece.pop("rank"))
+        self.entries = entries
+
+    def shard(self, rank: int) -> str:
+        return shard_name(rank, self.world, self.token)
+
+    def tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        return {name: flat(self.leaves[key][0]) for key, name in self.writes[rank]}
+
+    def manifest(self, infos: list[dict | None]) -> bytes:
+        files = {self.shard(r): info for r, info in enumerate(infos) if info is not None}
+        return json.dumps({"format": FORMAT, "world_size": self.world, "files": files,
+                           "tensors": self.entries, "values": self.values}, indent=1).encode()
+
+    def remove_others(self, folder: Path) -> None:
+        """Delete what an earlier save left in `folder`, if the manifest there is this save's
+        (else nothing: the files the manifest on disk names are still needed)."""
+        try:
+            mine = json.loads((folder / MANIFEST).read_bytes())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if not mine or any(self.token not in name for name in mine):
+            return
+        for old in folder.iterdir():
+            if old.name != MANIFEST and old.name not in mine:
+                old.unlink(missing_ok=True)
+
+
+def plan_save(leaves: dict, folder: Path, dist: Any, group: Any, world: int) -> SavePlan:
+    """Every rank's holdings, all-gathered; the same plan on every rank (rank 0's random token
+    names this save's files); the folder made. A plan no rank can carry out (pieces that leave
+    elements to no rank) is a CheckpointError on every rank."""
+    mine = {k: describe(leaf) for k, (leaf, _, _) in leaves.items()}
+    plans = all_gather_json({"plan": mine, "token": secrets.token_hex(6)}, dist, group, world)
+    try:
+        plan = SavePlan(leaves, [p["plan"] for p in plans], world, plans[0]["token"], folder)
+    except ValueError as exc:
+        raise CheckpointError(f"save of {folder}: {exc}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    return plan
+
+
+def shard_parts(tensors: dict[str, torch.Tensor]) -> list:
+    """A safetensors file's bytes as buffers: the header, then each tensor's memory (no copy)."""
+    header, at = {}, 0
+    # Widest elements first, as safetensors writes them, so every tensor's offset is aligned.
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    for name, t in tensors.items():
+        header[name] = {"dtype": ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
+    return [struct.pack("<Q", len(text)) + text] + [byte_view(t) for t in tensors.values()]
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor],
+                write: Callable[[Path, list], None]) -> dict | None:
+    """Write `tensors` as a safetensors file through `write(path, parts)` (the atomic writer),
+    hashing on a second thread as the bytes go out; its size and CRC-32 for the manifest, or
+    None when there is nothing to write."""
+    if not tensors:
+        return None
+    parts = shard_parts(tensors)
+    digest = Crc32()
+    hasher = threading.Thread(target=lambda: [digest.update(p) for p in parts])
+    hasher.start()  # zlib and file writes both release the GIL on large buffers
+    try:
+        write(path, parts)
+    except Exception as exc:  # noqa: BLE001 - named with the file, for every rank to read
+        raise CheckpointError(f"writing {path}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        hasher.join()
+    return {"bytes": sum(len(p) for p in parts), "crc32": digest.hexdigest()}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def read_manifest(checkpoint_id: str | os.PathLike) -> dict:
+    """The manifest of a complete checkpoint (every file present with its size, every piece in
+    a listed file), or a CheckpointError naming what is missing or malformed. Checksums are
+    the loader's to check."""
+    folder = Path(checkpoint_id)
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no {MANIFEST} (the save never finished)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not all(
+            isinstance(manifest.get(k), dict) for k in ("files", "tensors", "values")):
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    for name, info in manifest["files"].items():
+        if Path(name).name != name:
+            raise CheckpointError(f"{path}: file name {name!r} leaves the folder")
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            raise CheckpointError(f"{folder / name}: missing") from None
+        if size != info.get("bytes"):
+            raise CheckpointError(f"{folder / name}: {size} bytes, the manifest says "
+                                  f"{info.get('bytes')} (truncated or overwritten)")
+    for key, entry in manifest["tensors"].items():
+        for piece in entry.get("pieces", []):
+            if piece.get("file") not in manifest["files"]:
+                raise CheckpointError(f"{path}: {key!r} is in {piece.get('file')}, which it "
+                                      "does not list")
+    return manifest
+
+
+def map_file(path: Path) -> torch.Tensor:
+    """A file's bytes as a read-only uint8 tensor over the file mapped into memory (no copy)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 8:
+                raise CheckpointError(f"{path}: too short for a safetensors file")
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ,
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    with warnings.catch_warnings():  # read-only memory: only ever copied out of
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def parse_shard(buffer: torch.Tensor, path: Path | str = "shard") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, as flat views of its bytes, every offset checked."""
+    try:
+        (size,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
+        if not 2 <= size <= buffer.numel() - 8:
+            raise ValueError(f"header of {size} bytes in a file of {buffer.numel()}")
+        header = json.loads(bytes(buffer[8:8 + size].numpy()))
+        data, out = buffer[8 + size:], {}
+        dtypes = {v: k for k, v in ST_DTYPE.items()}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, (a, b) = dtypes[entry["dtype"]], entry["data_offsets"]
+            numel = math.prod(int(n) for n in entry["shape"])
+            if not 0 <= a <= b <= data.numel() or b - a != numel * dtype.itemsize:
+                raise ValueError(f"{name!r}: offsets [{a}, {b}) do not fit {entry}")
+            raw = data[a:b] if a % dtype.itemsize == 0 else data[a:b].clone()  # another writer's
+            out[name] = raw.view(dtype).view(-1) if numel else torch.empty(0, dtype=dtype)
+        return out
+    except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a safetensors file: {exc}") from None
+
+
+def read_shard(folder: Path, name: str, info: dict) -> dict[str, torch.Tensor]:
+    """One shard's tensors after checking its size and checksum against the manifest's `info`."""
+    data = map_file(Path(folder) / name)
+    if data.numel() != info["bytes"]:
+        raise CheckpointError(f"{Path(folder) / name}: {data.numel()} bytes, the manifest says "
+                              f"{info['bytes']} (truncated or overwritten)")
+    if crc32(data) != info["crc32"]:
+        raise CheckpointError(f"{Path(folder) / name}: checksum mismatch (the file is corrupt)")
+    return parse_shard(data, Path(folder) / name)
+
+
+def verify(checkpoint_id: str | os.PathLike) -> dict:
+    """Read every file of a checkpoint and check it against the manifest; returns the manifest."""
+    manifest = read_manifest(checkpoint_id)
+    for name, info in manifest["files"].items():
+        read_shard(Path(checkpoint_id), name, info)
+    return manifest
+
+
+class Targets(list):
+    """`destinations`' answer: (key, flat, start, pieces) per tensor of the state dict: fill
+    elements [start, start + len(flat)) of the saved tensor into `flat`, from `pieces` (the
+    manifest's, each with its file, name in it, offset and numel). `commit()`, once every
+    read is done, writes back the targets that were not contiguous and replaces the values."""
+
+    def __init__(self, leaves: dict, manifest: dict):
+        super().__init__()
+        self.leaves, self.manifest, self.copied = leaves, manifest, []
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for target, flat_copy in self.copied:
+                target.copy_(flat_copy.view_as(target))
+        for key, (leaf, container, k) in self.leaves.items():
+            if not is_tensor(leaf):
+                container[k] = self.manifest["values"][key]
+
+
+def destinations(leaves: dict, manifest: dict, folder: Path | str = "") -> Targets:
+    """Where each tensor of a state dict (`flatten`'s leaves) is filled from, after checking
+    that the checkpoint has every key with the same dtype and shape (a CheckpointError
+    naming the first that differs). Nothing is changed yet."""
+    missing = [k for k, (leaf, _, _) in leaves.items()
+               if k not in manifest["tensors" if is_tensor(leaf) else "values"]]
+    if missing:
+        raise CheckpointError(f"{folder}: no {', '.join(map(repr, missing[:5]))}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    targets = Targets(leaves, manifest)
+    for key, (leaf, _, _) in leaves.items():
+        if not is_tensor(leaf):
+            continue
+        entry = manifest["tensors"][key]
+        tensor, start, shape = ((leaf.tensor, leaf.offset, list(leaf.shape))
+                                if isinstance(leaf, Piece) else (leaf, 0, list(leaf.shape)))
+        if (dtype_name(tensor.dtype), shape) != (entry["dtype"], entry["shape"]):
+            raise CheckpointError(f"{key!r}: the checkpoint holds {entry['dtype']}"
+                                  f"{entry['shape']}, the state dict asks for "
+                                  f"{dtype_name(tensor.dtype)}{shape}")
+        if tensor.is_contiguous():
+            row = tensor.detach().view(-1)
+        else:
+            row = tensor.detach().reshape(-1).clone()
+            targets.copied.append((tensor.detach(), row))
+        targets.append((key, row, start, entry["pieces"]))
+    return targets
