@@ -1,4 +1,6 @@
-"""Lesson 02 exercises: the notebook's solutions score full points, realistic mistakes less."""
+"""Lesson 02 exercises (parts 02a and 02b): the notebooks' solutions score full points, realistic
+mistakes less, each with a reason in the lesson's terms (which chunk, summed over which ranks;
+how many messages a tree or a ring sends)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from conftest import full, less
 from test_lesson01_exercises import solution  # tests/ is on sys.path
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
-NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "02_collectives.ipynb"
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+TREES = SOLUTIONS / "02a_broadcast_reduce.ipynb"   # tree_broadcast, tree_reduce
+RINGS = SOLUTIONS / "02b_all_reduce.ipynb"          # ring_*, tree_all_reduce
 
 
 def _ring(tensor, *, chunk_of=None, gather=True, recv_first=False, left_for_send=False,
@@ -117,7 +121,7 @@ def library_all_reduce(tensor):
     dist.all_reduce(tensor, algorithm="ring")  # right sums, but not built from send/recv
 
 
-_TREE = solution("tree_broadcast", NOTEBOOK)
+_TREE = solution("tree_broadcast", TREES)
 
 
 def from_rank_zero(tensor, src):
@@ -182,24 +186,33 @@ def c4(scratch_cluster_4):
     return scratch_cluster_4
 
 
-_RS = solution("ring_reduce_scatter", NOTEBOOK)
+_RS = solution("ring_reduce_scatter", RINGS)
 
 
 @pytest.mark.cluster
 def test_ring_reduce_scatter_solution_and_mistakes(c4):
     full("lesson02.ring_reduce_scatter", _RS, c4)
-    for wrong in (rs_ends_with_next, rs_forgets_remainder, library_reduce_scatter,
-                  whole_tensor_ring):
-        less("lesson02.ring_reduce_scatter", wrong, c4)
+    for wrong, why in (
+            (rs_ends_with_next, "rank 0 ends with chunk 0 summed over 1 of 4 ranks (0)"),
+            (rs_forgets_remainder, "summed over all 3 ranks except its element"),
+            (library_reduce_scatter, "dist.reduce_scatter is the library's"),
+            (whole_tensor_ring, "sent 36 elements: in each step a rank passes on one chunk")):
+        r = less("lesson02.ring_reduce_scatter", wrong, c4)
+        assert why in r.reason, (wrong.__name__, r.reason)
 
 
 @pytest.mark.cluster
 def test_ring_all_reduce_solution_and_mistakes(c4):
-    ring = solution("ring_all_reduce", NOTEBOOK, ring_reduce_scatter=_RS)
+    ring = solution("ring_all_reduce", RINGS, ring_reduce_scatter=_RS)
     full("lesson02.ring_all_reduce", ring, c4)
-    for wrong in (off_by_one_chunk, no_all_gather, forgets_remainder, library_all_reduce,
-                  whole_tensor_ring):
-        less("lesson02.ring_all_reduce", wrong, c4)
+    for wrong, why in (
+            (off_by_one_chunk, "rank 0 ends with chunk 0 summed over 3 of 4 ranks (1, 2, 3)"),
+            (no_all_gather, "rank 0 ends with chunk 1 summed over 3 of 4 ranks (0, 2, 3)"),
+            (forgets_remainder, "summed over all 3 ranks except its element"),
+            (library_all_reduce, "dist.all_reduce is the library's"),
+            (whole_tensor_ring, "sent 3 message(s): the ring all_reduce on 4 ranks sends 6")):
+        r = less("lesson02.ring_all_reduce", wrong, c4)
+        assert why in r.reason, (wrong.__name__, r.reason)
     for hangs in (everyone_receives_first, sends_left_receives_left):
         r = less("lesson02.ring_all_reduce", hangs, c4, time_limit=3)
         assert r.reason.startswith("timed out"), r.reason
@@ -209,8 +222,13 @@ def test_ring_all_reduce_solution_and_mistakes(c4):
 @pytest.mark.cluster
 def test_tree_broadcast_solution_and_mistakes(c4):
     full("lesson02.tree_broadcast", _TREE, c4)
-    for wrong in (from_rank_zero, naive_broadcast, chain_broadcast, tree_without_translation):
-        less("lesson02.tree_broadcast", wrong, c4)
+    for wrong, why in (
+            (from_rank_zero, "rank 0 never received the data of rank 1, the root"),
+            (naive_broadcast, "the root, sent 3 message(s): on 4 ranks a binomial tree takes 2"),
+            (chain_broadcast, "the root, sent 1 message(s)"),
+            (tree_without_translation, "timed out: 3 ranks, 7 floats from rank 1")):
+        r = less("lesson02.tree_broadcast", wrong, c4)
+        assert why in r.reason, (wrong.__name__, r.reason)
     r = less("lesson02.tree_broadcast", whole_rounds_only, c4, time_limit=3)
     assert "3 ranks" in r.reason, r.reason  # the power-of-two case passes; 3 ranks does not
     full("lesson02.tree_broadcast", _TREE, c4)  # the cluster recovered
@@ -234,8 +252,18 @@ def doubling_powers_of_two_only(tensor):
 
 def doubling_via_rank_zero(tensor):
     """Right sums by reducing to rank 0 and sending back: the naive algorithm's messages."""
-    naive = solution("naive_all_reduce", NOTEBOOK)
-    naive(tensor)
+    from course_lib import dist
+    p, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for r in range(1, p):
+            dist.recv(incoming, r)
+            tensor += incoming
+        for r in range(1, p):
+            dist.send(tensor, r)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
 
 
 def folds_without_returning(tensor):
@@ -265,9 +293,13 @@ def folds_without_returning(tensor):
 
 @pytest.mark.cluster
 def test_tree_all_reduce_solution_and_mistakes(c4):
-    full("lesson02.tree_all_reduce", solution("tree_all_reduce", NOTEBOOK), c4)
-    for wrong in (doubling_via_rank_zero, folds_without_returning):
-        less("lesson02.tree_all_reduce", wrong, c4)
+    full("lesson02.tree_all_reduce", solution("tree_all_reduce", RINGS), c4)
+    for wrong, why in (
+            (doubling_via_rank_zero, "sent 3 message(s), 15 elements: recursive doubling on 4 "
+                                     "ranks sends 2 whole tensor(s)"),
+            (folds_without_returning, "rank 0 ends with the sum over 1 of 3 ranks (0)")):
+        r = less("lesson02.tree_all_reduce", wrong, c4)
+        assert why in r.reason, (wrong.__name__, r.reason)
     r = less("lesson02.tree_all_reduce", doubling_powers_of_two_only, c4, time_limit=3)
     assert r.cases[0].passed and not r.cases[1].passed, r.reason  # 4 ranks pass, 3 do not
 
@@ -308,11 +340,19 @@ def reduce_ignoring_dst(tensor, dst):
     _tree_reduce(tensor, 0)
 
 
-_tree_reduce = solution("tree_reduce", NOTEBOOK)
+_tree_reduce = solution("tree_reduce", TREES)
 
 
 @pytest.mark.cluster
 def test_tree_reduce_solution_and_mistakes(c4):
     full("lesson02.tree_reduce", _tree_reduce, c4)
-    for wrong in (reduce_to_root_directly, reduce_in_place_everywhere, reduce_ignoring_dst):
-        less("lesson02.tree_reduce", wrong, c4)
+    for wrong, why in (
+            (reduce_to_root_directly, "received 3 message(s); in a binomial tree on 4 ranks "
+                                      "rooted at rank 0 it sends 0 and receives 2"),
+            (reduce_in_place_everywhere, "rank 2's tensor changed to the sum over 2 of 4 ranks "
+                                         "(2, 3): a reduce changes only the root's tensor"),
+            (reduce_ignoring_dst, "rank 0's tensor changed to the sum over 3 of 3 ranks")):
+        r = less("lesson02.tree_reduce", wrong, c4)
+        assert why in r.reason, (wrong.__name__, r.reason)
+    assert any("rank 2, the root, ends with the sum over 1 of 3 ranks (2)" in row.note
+               for c in r.cases for row in c.rows), r

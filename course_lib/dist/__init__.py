@@ -3,15 +3,19 @@
     from course_lib import dist
     dist.all_reduce(t, op=dist.ReduceOp.SUM, algorithm="ring")
 
-Layers, each its own file, bottom up: `wire` (frames, handshake) -> `ring` (the byte stream a
-link's frames take: its socket, or a ring in shared memory) -> `shm` (large payloads to a
+Layers, each its own file, bottom up: `stream` (tensors as bytes, deadlines, writes) -> `wire`
+(the frame header and the exact read, lesson 01) and `handshake` (each connection proves the
+secret) -> `ring` (the byte stream a link's frames take: its socket, or a ring in shared memory) -> `shm` (large payloads to a
 rank on this machine) -> `work` (an operation in flight), `matching` (which receive a message
 fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
 travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
-and `collectives` (the API), `symmetric` (buffers every rank maps, read in place by
-all_reduce, and each group's staging buffer for small all_reduces); beside them `flight`, each group's record of its collectives and
-the diagnosis when one fails. In every file `op` is a `ReduceOp`, `name` an operation's name,
-`peer` a `Peer` and `peer_rank` the rank at its other end.
+and `collectives` (the API, the algorithms lessons 02a-02b teach), `tuned` (the all_reduce
+algorithms lesson 10 adds, and the choice "auto" makes), `symmetric` (buffers every rank maps,
+read in place by all_reduce, and each group's staging buffer for small all_reduces); beside
+them `flight`, each group's record of its collectives, and `diagnosis` (lesson 09b: each
+rank's verdict when one fails). In
+every file `op` is a `ReduceOp`, `name` an operation's name, `peer` a `Peer` and `peer_rank`
+the rank at its other end.
 """
 
 from course_lib.dist.collectives import (all_gather, all_reduce, barrier, broadcast, gather,
