@@ -243,12 +243,20 @@ class _Finder(importlib.abc.MetaPathFinder):
         if module == fullname or module not in COMPONENTS or self.disabled:
             return None
         found = resolve(module)
-        if module not in self.announced and not _quiet() and (found.mine or _active()):
+        if (module not in self.announced and not _quiet() and (found.mine or _active())
+                and not _later_than_this_lesson(module)):
             print(found.line, flush=True)
         self.announced.add(module)
         if found.mine:
             return importlib.util.spec_from_file_location(fullname, found.path)
         return None  # the regular finders load the packaged module
+
+
+def _later_than_this_lesson(module: str) -> bool:
+    """Whether `module` is built by a lesson after the one this kernel runs (lesson 02's kernel
+    imports lesson 09b's `dist.diagnosis` through `dist`): its line would be noise there."""
+    session = Path(os.environ.get("JPY_SESSION_NAME", "")).stem
+    return bool(session) and session[:1].isdigit() and lesson_of(module) > session
 
 
 def _active() -> bool:
