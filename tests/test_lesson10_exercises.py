@@ -1,5 +1,6 @@
-"""Lesson 10's exercises: the solutions (exported into course_lib.comm_hooks and
-course_lib.comm_model) score full points on 2, 3 and 4 ranks; realistic wrong versions less."""
+"""Lesson 10's exercises (10a: `terms`, exported into course_lib.comm_model; 10b: the hooks,
+exported into course_lib.comm_hooks): the solutions score full points on 2, 3 and 4 ranks;
+realistic wrong versions less, each with a reason in the lesson's terms."""
 
 from __future__ import annotations
 
@@ -70,8 +71,12 @@ def sends_float32(dtype, state, bucket):
 
 def test_compress_hook_solution_and_mistakes(c4):
     full("lesson10.compress_hook", comm_hooks.compress_hook, c4)
-    for wrong in (divides_after_the_sum, not_cast_back, no_average, sends_float32):
-        less("lesson10.compress_hook", wrong, c4)
+    for wrong, why in ((divides_after_the_sum, "overflowed to inf"),
+                       (not_cast_back, "DDP needs the bucket back in the gradients' float32"),
+                       (no_average, "the sum over the 2 ranks, not their average"),
+                       (sends_float32, "4 per gradient: nothing travelled as float16")):
+        result = less("lesson10.compress_hook", wrong, c4)
+        assert why in result.reason, (wrong.__name__, result.reason)
 
 
 # lesson10.compress_with_feedback --------------------------------------------------------------
@@ -104,9 +109,12 @@ def changes_grad_in_place(grad, error, k):
 
 def test_compress_with_feedback_solution_and_mistakes():
     full("lesson10.compress_with_feedback", comm_hooks.compress_with_feedback)
-    for wrong in (forgets_the_error, keeps_sent_entries, largest_not_by_magnitude,
-                  changes_grad_in_place):
-        less("lesson10.compress_with_feedback", wrong)
+    for wrong, why in ((forgets_the_error, "largest entries of grad alone"),
+                       (keeps_sent_entries, "still holds the entries that were sent"),
+                       (largest_not_by_magnitude, "not the 3 largest in magnitude"),
+                       (changes_grad_in_place, "grad was changed in place")):
+        result = less("lesson10.compress_with_feedback", wrong)
+        assert why in result.reason, (wrong.__name__, result.reason)
 
 
 # lesson10.powersgd_step -----------------------------------------------------------------------
@@ -165,8 +173,12 @@ def local_p(matrices, qs, *, dist=None, group=None, epsilon=0.0):
 
 def test_powersgd_step_solution_and_mistakes(c4):
     full("lesson10.powersgd_step", comm_hooks.powersgd_step, c4)
-    for wrong in (no_orthogonalization, one_all_reduce_per_matrix, q_not_averaged, local_p):
-        less("lesson10.powersgd_step", wrong, c4)
+    for wrong, why in ((no_orthogonalization, "P was never orthogonalized"),
+                       (one_all_reduce_per_matrix, "one all_reduce and its Qs in another"),
+                       (q_not_averaged, "the sum over the 2 ranks, not their average"),
+                       (local_p, "orthogonalized its own P, unsummed")):
+        result = less("lesson10.powersgd_step", wrong, c4)
+        assert why in result.reason, (wrong.__name__, result.reason)
 
 
 # lesson10.terms -------------------------------------------------------------------------------
@@ -197,5 +209,8 @@ def ring_off_by_one(algorithm, nbytes, p):
 
 def test_terms_solution_and_mistakes():
     full("lesson10.terms", comm_model.terms)
-    for wrong in (only_powers_of_two, ring_sends_everything, ring_off_by_one):
-        less("lesson10.terms", wrong)
+    for wrong, why in ((only_powers_of_two, "as if 3 were a power of two"),
+                       (ring_sends_everything, "not the whole tensor"),
+                       (ring_off_by_one, "messages waited for: expected 2, got 4")):
+        result = less("lesson10.terms", wrong)
+        assert why in result.reason, (wrong.__name__, result.reason)
