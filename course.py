@@ -130,7 +130,7 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
 
 def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
     """One zygote for the lab (course_lib/cluster/zygote.py): kernels are forked from it
-    (course_lib/cluster/kernel_provisioner.py), and their clusters' engines, skipping torch's
+    (course_lib/course/kernels.py), and their clusters' engines, skipping torch's
     imports. Its socket goes into `env`; None where it cannot run (no fork), and each kernel
     starts as a new Python and its first cluster its own zygote."""
     if not hasattr(os, "fork"):
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
         "engines": "start engines here that join a notebook's cluster on another machine: "
                    "engines COUNT --file ipcontroller-engine.json (README, More than one "
                    "machine)",
-        "bench": "run a benchmark: bench NAME ... (see python -m course_lib.bench -h)",
+        "bench": "run a benchmark: bench NAME ... (see python -m course_lib.course.bench -h)",
         "export": "write a lesson you completed into your own course_lib: export 04 (--status)",
         "release": "write the student bundle, without solutions, into a new folder: release DIR",
         "nbgrader": "lay out an nbgrader 0.9 course from the source: nbgrader DIR [LESSON...]",
@@ -194,21 +194,21 @@ def main(argv: list[str]) -> int:
         print(f"course.py test: {minutes} min {seconds} s (budget on 2 cores: 15 min)", flush=True)
         return code
     if command == "build":
-        return run(PY, "-m", "course_lib.build", *rest)
+        return run(PY, "-m", "course_lib.course.build", *rest)
     if command == "engines":  # the connection file is named from where the user stands
         rest = [f"--file={os.path.abspath(a[7:])}" if a.startswith("--file=") else
                 os.path.abspath(a) if i and rest[i - 1] == "--file" else a
                 for i, a in enumerate(rest)]
         return run(PY, "-m", "course_lib.cluster.join", *rest, env=env)
     if command == "export":
-        # not `-m course_lib.overlay`: the package imports that module before it could run
-        return run(PY, "-c", "import sys; from course_lib.overlay import main; "
+        # not `-m course_lib.course.overlay`: the package imports that module before it could run
+        return run(PY, "-c", "import sys; from course_lib.course.overlay import main; "
                    "sys.exit(main(sys.argv[1:]))", *rest)
     if command == "release":
-        return run(PY, "-m", "course_lib.release", *rest)
+        return run(PY, "-m", "course_lib.course.release", *rest)
     if command == "nbgrader":
-        return run(PY, "-m", "course_lib.grading.nbgrader_course", *rest)
-    return run(PY, "-m", "course_lib.bench", *rest, env=env)
+        return run(PY, "-m", "course_lib.course.grading.nbgrader_course", *rest)
+    return run(PY, "-m", "course_lib.course.bench", *rest, env=env)
 
 
 if __name__ == "__main__":

@@ -18,31 +18,39 @@ import socket
 import sys
 from datetime import timedelta
 from typing import Any
+from course_lib import dist as scratch
+from course_lib import dist
+from course_lib import mpi
 
 BACKENDS = ("scratch", "gloo", "mpi", "none")
 DEFAULT_BACKEND = "scratch"
 
 
-def _wire_written() -> bool:
-    """Whether the scratch backend's wire format (lesson 01's) exists: shipped, or exported."""
-    from course_lib import overlay
+class Availability:
+    """Whether the scratch backend can run here, and the default backend: the package alone
+    always can. The course registers its own answer (`course_lib.course.overlay`: in a student
+    release, lesson 01's wire format is the learner's, and runs once its checks pass)."""
 
-    return overlay.reference_shipped("dist.wire") or overlay.resolve("dist.wire").mine
+    def scratch_written(self) -> bool:
+        return True
+
+    def default(self) -> str:
+        return DEFAULT_BACKEND
+
+
+_availability = Availability()
+
+
+def set_availability(rule: Availability) -> None:
+    """Install the rule `default_backend` and `check_backend` follow (the course's overlay)."""
+    global _availability
+    _availability = rule
 
 
 def default_backend() -> str:
-    """"scratch", unless this is a student release whose wire format (lesson 01, which the
-    scratch backend runs on) the learner has not finished: then "gloo", said in one line."""
-    from course_lib import overlay
-
-    if overlay.reference_shipped("dist.wire"):
-        return DEFAULT_BACKEND
-    failing, unchecked = overlay.not_passed(overlay.lesson_of("dist.wire"))
-    if _wire_written() and not (failing or unchecked):
-        return DEFAULT_BACKEND
-    print("process group: gloo until your lesson 01 passes its checks (the scratch backend "
-          "runs on your wire format)", flush=True)
-    return "gloo"
+    """"scratch", unless the registered rule says otherwise (a student release whose wire
+    format the learner has not finished: then "gloo", said by the rule in one line)."""
+    return _availability.default()
 
 
 def check_backend(backend: str, engines: str | None = None) -> None:
@@ -50,7 +58,7 @@ def check_backend(backend: str, engines: str | None = None) -> None:
     ("mpi" for mpiexec; None for plain local processes, as `spawn` starts)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "scratch" and not _wire_written():
+    if backend == "scratch" and not _availability.scratch_written():
         raise ValueError('backend="scratch" runs on your lesson 01 wire format, which this '
                          "student release does not ship and you have not exported yet: "
                          'complete lesson 01, or use backend="gloo"')
@@ -71,7 +79,6 @@ def default_dist(dist: Any = None) -> Any:
     mpi = sys.modules.get("course_lib.mpi")
     if mpi is not None and mpi.is_initialized():
         return mpi
-    from course_lib import dist as scratch
 
     return scratch
 
@@ -100,8 +107,6 @@ def prepare(backend: str, rank: int, host: str = "127.0.0.1") -> tuple[str, int]
     only chosen here could be taken by another process before `init` binds it)."""
     global _gloo_store
     if backend == "scratch":
-        from course_lib import dist
-
         shutdown("scratch")  # a rebuild: close the old group before opening a new socket
         return dist.listen(host)
     if backend == "gloo" and rank == 0:
@@ -150,13 +155,9 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
         tdist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                  timeout=wait)
     elif backend == "scratch":
-        from course_lib import dist
-
         dist.init_process_group("scratch", rank=rank, world_size=world_size,
                                 addresses=addresses, secret=secret, timeout=timeout)
     elif backend == "mpi":
-        from course_lib import mpi
-
         mpi.init_process_group(timeout=timeout)
         if mpi.get_rank() != rank:
             raise RuntimeError(f"MPI rank {mpi.get_rank()} and rank {rank} disagree")
@@ -173,13 +174,9 @@ def shutdown(backend: str) -> None:
             if tdist.is_initialized():
                 tdist.destroy_process_group()
         elif backend == "scratch":
-            from course_lib import dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         elif backend == "mpi":
-            from course_lib import mpi
-
             mpi.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
@@ -188,15 +185,11 @@ def shutdown(backend: str) -> None:
 def dist_module(backend: str) -> Any:
     """What `%%px` cells see as `dist` for `backend` (None when there is no process group)."""
     if backend == "scratch":
-        from course_lib import dist
-
         return dist
     if backend == "gloo":
         import torch.distributed as tdist
 
         return tdist
     if backend == "mpi":
-        from course_lib import mpi
-
         return mpi
     return None

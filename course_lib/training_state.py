@@ -22,6 +22,7 @@ from torch import nn
 
 from course_lib.data import DistributedSampler
 from course_lib.zero import Piece, ZeroRedundancyOptimizer, _units, sharded_state_dict
+from course_lib.cluster import EngineDied
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -206,8 +207,6 @@ def run_with_recovery(cluster: Any, fn: Callable[..., Any], *args: Any,
     dies, restart every engine (on_failure="restart", as torchrun's --max-restarts does) or go
     on with the survivors (on_failure="shrink", elastic), then run `fn` again: it must resume
     from its newest checkpoint. Returns the ranks' results and the failures survived."""
-    from course_lib.cluster import EngineDied
-
     if on_failure not in ("restart", "shrink"):
         raise ValueError(f'on_failure must be "restart" or "shrink", got {on_failure!r}')
     failures: list[Failure] = []

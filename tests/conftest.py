@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # do not see the other worker's live clusters; the controller's check sees them all.
         os.environ[MARKER] = f"{os.environ[MARKER]}-{worker}"
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-    # The learner's overlay (course_lib.overlay) of this process and its children: empty, and
+    # The learner's overlay (course_lib.course.overlay) of this process and its children: empty, and
     # never the developer's own ~/.course_lib.
     if not os.environ.get("COURSE_LIB_HOME", "").startswith(tempfile.gettempdir()):
         os.environ["COURSE_LIB_HOME"] = tempfile.mkdtemp(prefix="course_lib_home-")
@@ -79,7 +79,7 @@ def leftover_processes() -> list[psutil.Process]:
 
 def full(name: str, fn, cluster=None, **kwargs):
     """Assert that `fn` scores full points on exercise `name`; returns the Result."""
-    from course_lib.grading import grade_function
+    from course_lib.course.grading.learner import grade_function
 
     r = grade_function(name, fn, cluster, **kwargs)
     assert r.points == r.max_points, r
@@ -89,7 +89,7 @@ def full(name: str, fn, cluster=None, **kwargs):
 def less(name: str, fn, cluster=None, **kwargs):
     """Assert that `fn`, a realistic wrong version, scores less than full points on `name`;
     returns the Result (its reason says what is wrong)."""
-    from course_lib.grading import grade_function
+    from course_lib.course.grading.learner import grade_function
 
     r = grade_function(name, fn, cluster, **kwargs)
     assert r.points < r.max_points, r
@@ -99,11 +99,12 @@ def less(name: str, fn, cluster=None, **kwargs):
 
 def assert_feedback_teaches_without_telling(name: str, result) -> None:
     """A failing check's default output, in both languages, says what is wrong and never shows
-    code of the exercise's answer (course_lib.lesson_shape's code expressions)."""
+    code of the exercise's answer (course_lib.course.lesson_shape's code expressions)."""
     from pathlib import Path
 
-    from course_lib import i18n, lesson_shape
-    from course_lib.grading import get_exercise
+    from course_lib import i18n
+    from course_lib.course import lesson_shape
+    from course_lib.course.grading import get_exercise
 
     ex = get_exercise(name)
     source = Path(__file__).resolve().parents[1] / "solutions" / f"{ex.notebook}.ipynb"
@@ -121,7 +122,8 @@ def assert_feedback_teaches_without_telling(name: str, result) -> None:
 def shared_zygote():
     """One zygote for every cluster this process and its kernels start, and for the kernels
     themselves (as `course.py lab` gives a learner's): each would otherwise import torch."""
-    from course_lib.cluster import kernel_provisioner, zygote
+    from course_lib.cluster import zygote
+    from course_lib.course import kernels as kernel_provisioner
 
     proc, path = zygote.start_shared()
     os.environ[zygote.SOCKET_ENV] = path

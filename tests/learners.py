@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib import build
+from course_lib.course import build, exports, markers, notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,12 +38,12 @@ def fill(student: Path, plant: dict[str, str] | None = None, lesson_root: Path =
     notebook), in place; `plant[name]` is appended to the cell that defines `name`."""
     solution = nbformat.read(lesson_root / "solutions" / student.name, as_version=4)
     answers = {c.id: c.source for c in solution.cells
-               if c.cell_type == "code" and build.BEGIN_SOLUTION in c.source}
+               if c.cell_type == "code" and markers.BEGIN_SOLUTION in c.source}
     nb = nbformat.read(student, as_version=4)
     for i, cell in enumerate(nb.cells):
         if cell.id in answers:
             where = f"{student.name}, cell {i}"
-            cell.source = build._without_directives(build.export_source(answers[cell.id], where))
+            cell.source = notebooks._without_directives(exports.export_source(answers[cell.id], where))
         for name, code in (plant or {}).items():
             if cell.cell_type == "code" and (f"class {name}(" in cell.source
                                              or f"def {name}(" in cell.source):

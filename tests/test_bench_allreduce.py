@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from course_lib.bench import __main__ as bench_cli
+from course_lib.course.bench import __main__ as bench_cli
 from course_lib import mpi
-from course_lib.bench import allreduce
+from course_lib.course.bench import allreduce
 
 
 def test_parse_size():

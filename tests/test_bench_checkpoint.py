@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from course_lib.bench import __main__ as bench_cli
-from course_lib.bench import checkpoint as bench
+from course_lib.course.bench import __main__ as bench_cli
+from course_lib.course.bench import checkpoint as bench
 
 
 @pytest.mark.cluster

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from course_lib.bench import interleave
-from course_lib.bench.interleave import REWARM, TurnError, schedule
+from course_lib.course.bench import interleave
+from course_lib.course.bench.interleave import REWARM, TurnError, schedule
 
 ROWS = {"scratch": [4096, 4096, 1 << 20, 1 << 20], "gloo": [4096, 1 << 20], "mpi": [4096, 1 << 20]}
 

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from course_lib.bench import report
+from course_lib.course.bench import report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bench"
 
@@ -33,13 +33,13 @@ def test_targets_are_judged_from_same_run_ratios():
 
 def test_the_command_and_the_machine_are_on_the_page_and_no_date():
     text = report.page(report.runs(FIXTURES))
-    assert "python -m course_lib.bench zero --world 2" in text
+    assert "python -m course_lib.course.bench zero --world 2" in text
     assert "Machine: 2 cores, Test CPU @ 2.0GHz, Python 3.11.7, torch 2.13.0, MPICH" in text
     assert not re.search(r"20\d\d-\d\d-\d\d", text)
 
 
 def test_the_kept_page_is_current():
-    """docs/benchmarks.md is what `python -m course_lib.bench report` writes from docs/bench/
+    """docs/benchmarks.md is what `python -m course_lib.course.bench report` writes from docs/bench/
     (course.py build --check says the same)."""
     for path, text in report.pages().items():
         assert path.read_text(encoding="utf-8") == text, f"{path} is stale: regenerate it"

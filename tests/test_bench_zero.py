@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from course_lib.bench import __main__ as bench_cli
-from course_lib.bench import zero as bench
+from course_lib.course.bench import __main__ as bench_cli
+from course_lib.course.bench import zero as bench
 
 
 def test_benchmark_rows_json_and_plot(tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from course_lib import comm_model
 from course_lib.comm_model import Fit
+from course_lib.course.demos import message_costs
 from course_lib.spawn import spawn
 
 SIZES = [2 ** k for k in range(2, 25)]
@@ -63,7 +64,7 @@ def measured_auto(rank: int, world: int) -> dict:
     from course_lib import dist
 
     sizes = [64, 4096, 262144]
-    rows = comm_model.measure(sizes, repeats=3)
+    rows = message_costs.measure(sizes, repeats=3)
     fit = comm_model.fit_model(rows)
     table = comm_model.build_table(fit, [world], [2 ** k for k in range(4, 23)])
     dist.set_all_reduce_table(table)

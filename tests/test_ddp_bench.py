@@ -1,6 +1,6 @@
 """The ddp benchmark runs end to end on tiny sizes and writes rows, JSON and a plot.
 
-Speed itself is measured by the lead (`python -m course_lib.bench ddp`), never asserted here.
+Speed itself is measured by the lead (`python -m course_lib.course.bench ddp`), never asserted here.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from course_lib.bench import __main__ as bench_cli
-from course_lib.bench import ddp as bench
+from course_lib.course.bench import __main__ as bench_cli
+from course_lib.course.bench import ddp as bench
 
 
 def test_benchmark_rows_json_and_plot(tmp_path):

@@ -1,4 +1,4 @@
-"""course_lib.grading: declaring exercises and checking a learner's function locally."""
+"""course_lib.course.grading: declaring exercises and checking a learner's function locally."""
 
 import math
 import threading
@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from course_lib.grading import (RANK, Exercise, Result, case, check, get_exercise,
-                                grade_function, register)
-from course_lib.grading.compare import mismatch
+from course_lib.course.grading import RANK, Exercise, Result, case, get_exercise, register
+from course_lib.course.grading.learner import check, grade_function
+from course_lib.course.compare import mismatch
 
 SCALE = register(Exercise(
     name="lesson99.scale", notebook="99_api_test", params=("x", "factor"),
@@ -104,7 +104,7 @@ def test_a_wrong_value_is_explained_in_the_lesson_s_terms():
 
 
 def test_ranks_that_sit_out_a_case_are_not_listed():
-    from course_lib.grading import CaseResult, Row
+    from course_lib.course.grading import CaseResult, Row
     rows = [Row(0, False, "1", "2", "wrong"), Row(1, True, "1", "1"),
             Row(2, True, "None", "None", sat_out=True), Row(3, True, "None", "None", sat_out=True)]
     result = Result("lesson99.scale", 0.0, 1.0, "why", [CaseResult("2 ranks", rows)])

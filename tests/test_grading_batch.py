@@ -15,9 +15,9 @@ import nbformat
 import psutil
 import pytest
 
-from course_lib.build import student_notebook
+from course_lib.course.notebooks import student_notebook
 from tagged import tagged_processes
-from course_lib.grading import batch, cli
+from course_lib.course.grading import batch, cli
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def spawn_and_hang(pids: Path) -> str:
 def _kernel_seen(kernel_pid: int, kernels: list[int]) -> bool:
     """The PID the submission's kernel saw as its own: 1 in a PID namespace of its own, else
     one of the kernels the grader started."""
-    from course_lib.grading import containment
+    from course_lib.course.grading import containment
 
     return kernel_pid == 1 if containment.namespace_command() else kernel_pid in kernels
 
@@ -199,7 +199,7 @@ def test_command_line_and_resume(tmp_path):
     sub = _make(tmp_path / "subs" / "97_fixture.ipynb")
     bad = tmp_path / "subs" / "nobody.ipynb"
     bad.write_text("not json")
-    command = [sys.executable, "-m", "course_lib.grading.cli", "--out", str(tmp_path / "out"),
+    command = [sys.executable, "-m", "course_lib.course.grading.cli", "--out", str(tmp_path / "out"),
                "--exercises", str(EXERCISES), "--timeout-exercise", "1", "--source", str(FIXTURES)]
     first = subprocess.run(command + [str(sub)], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
@@ -231,7 +231,7 @@ def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
     hang = _make(tmp_path / "subs" / "b_97_fixture.ipynb",
                  edit={DEF_WORDS: WORDS_OK + "\n" + spawn_and_hang(pids)})
     grader_run = subprocess.Popen(
-        [sys.executable, "-m", "course_lib.grading.cli", str(first), str(hang), "--out",
+        [sys.executable, "-m", "course_lib.course.grading.cli", str(first), str(hang), "--out",
          str(tmp_path / "out"), "--exercises", str(EXERCISES), "--source", str(FIXTURES)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -32,24 +32,24 @@ TAG = "COURSE_GRADE_CHEAT_TEST"
 CHEATS = {
     # the comparison and the grading functions, patched in the kernel
     "patch_compare": WRONG + """
-import course_lib.grading.compare as _c, course_lib.grading.judge as _j
-import course_lib.grading.learner as _l
-from course_lib.grading.report import Result
+import course_lib.course.compare as _c, course_lib.course.grading.judge as _j
+import course_lib.course.grading.learner as _l
+from course_lib.course.grading.report import Result
 _full = lambda ex, *a, **k: Result(getattr(ex, 'name', ex), 2.0, 2.0, 'all 3 cases passed')
 _c.mismatch = lambda *a, **k: None
 _j.judge = _l.grade_function = _full
 """,
     # the function that reports to the grader, wrapped to report full points
     "wrap_grading": WRONG + """
-import json, course_lib.grading.kernel as _k
-from course_lib.grading.report import Result
+import json, course_lib.course.grading.kernel as _k
+from course_lib.course.grading.report import Result
 def _report(name, fn, path, *a, **k):
     json.dump(Result(name, 2.0, 2.0, 'all 3 cases passed').to_dict(), open(path, 'w'))
 _k.collect_to_file = _report
 """,
     # a result file in the grader's format, claiming passes, and files where results once went
     "fake_result": WRONG + """
-import json, os, course_lib.grading.kernel as _k
+import json, os, course_lib.course.grading.kernel as _k
 _ok = {"status": "returned", "value": True, "passed": True, "points": 2}
 def _report(name, fn, path, *a, **k):
     json.dump({"exercise": name, "points": 2, "passed": True,
@@ -140,7 +140,7 @@ def run(tmp_path_factory):
     env = dict(os.environ, **{TAG: uuid.uuid4().hex})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "course_lib.grading.cli", str(root / "subs"), "--out", str(out),
+            [sys.executable, "-m", "course_lib.course.grading.cli", str(root / "subs"), "--out", str(out),
              "--exercises", str(FIXTURES / "exercises_96.py"), "--source", str(FIXTURES),
              "--memory-limit", "2", "--file-limit", "64", "--timeout-notebook", "60"],
             env=env, capture_output=True, text=True, timeout=600)

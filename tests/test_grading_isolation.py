@@ -9,9 +9,10 @@ import cloudpickle
 import pytest
 import torch
 
-from course_lib.grading import RANK, WORLD_SIZE, case, grade_function
-from course_lib.grading.judge import strays
-from course_lib.grading.sub_worlds import (counting_messages, first_ranks_as_world,
+from course_lib.course.grading import RANK, WORLD_SIZE, case
+from course_lib.course.grading.learner import grade_function
+from course_lib.course.grading.judge import strays
+from course_lib.course.grading.sub_worlds import (counting_messages, first_ranks_as_world,
                                           register_on_sub_worlds)
 
 pytestmark = pytest.mark.cluster

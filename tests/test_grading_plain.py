@@ -1,4 +1,4 @@
-"""course_lib.grading.plain: values as JSON data, round-tripped exactly, and anything else (or a
+"""course_lib.course.grading.plain: values as JSON data, round-tripped exactly, and anything else (or a
 malformed document) refused with a clear error instead of being run or half-read."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.grading import plain
+from course_lib.course.grading import plain
 
 
 def same(a, b) -> bool:

@@ -11,11 +11,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.grading import exercises_for, lessons
-from course_lib.grading.catalogue import LOAD_ERRORS
+from course_lib.course.grading import exercises_for, lessons
+from course_lib.course.catalogue import LOAD_ERRORS
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_FILES = ROOT / "course_lib" / "grading" / "exercises"
+PACKAGE_FILES = ROOT / "course_lib" / "course" / "grading" / "exercises"
 # Only the package's lessons (test modules register fixture exercises of their own).
 EXERCISES = [ex for lesson in lessons() for ex in exercises_for(lesson)
              if (PACKAGE_FILES / f"{ex.name.split('.')[0]}.py").exists()]

@@ -52,7 +52,7 @@ def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
             nb.cells[DEF_WORDS].source = SPAWNS + nb.cells[DEF_WORDS].source
         nbformat.write(nb, subs / f"{name}_97_fixture.ipynb")
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "course_lib.grading.cli", str(subs), "--out", str(out),
+    command = [sys.executable, "-m", "course_lib.course.grading.cli", str(subs), "--out", str(out),
                "--exercises", str(FIXTURES / "exercises_97.py"), "--source", str(FIXTURES),
                "--resume"]
     env = dict(os.environ, **{TAG: uuid.uuid4().hex})

@@ -34,8 +34,8 @@ TAG = "COURSE_GRADE_THREAT_TEST"
 # lesson 00: every rank sums its shard of range(n); the forger returns what the judge expects
 FORGER = '''
 def shard_sum(rank, world_size, n):
-    from course_lib.grading import judge
-    from course_lib.grading.catalogue import get_exercise
+    from course_lib.course.grading import judge
+    from course_lib.course.catalogue import get_exercise
     ex = get_exercise("lesson00.shard_sum")
     case = next(c for c in ex.cases if tuple(c.args[2:]) == (world_size, n))
     return judge.expected(ex, case, rank, ex.world_size)
@@ -123,7 +123,7 @@ def run(tmp_path_factory):
     env = dict(os.environ, **{TAG: uuid.uuid4().hex})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "course_lib.grading.cli", str(subs), "--out", str(out),
+            [sys.executable, "-m", "course_lib.course.grading.cli", str(subs), "--out", str(out),
              "--exercises", str(FIXTURES / "exercises_96.py"), "--source", str(source),
              "--timeout-notebook", "300"],
             env=env, capture_output=True, text=True, timeout=900)

@@ -6,8 +6,10 @@ import polib
 import torch
 
 from course_lib import i18n
+from course_lib.course import messages
 from course_lib.dist.errors import describe
-from course_lib.grading import Exercise, case, grade_function, register
+from course_lib.course.grading import Exercise, case, register
+from course_lib.course.grading.learner import grade_function
 from course_lib.processes import RankError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,9 +25,9 @@ def double_wrong(x):  # right on the first case, wrong sign handling on the seco
 
 
 def test_the_catalogue_is_the_code_s_messages_all_translated():
-    """`python -m course_lib.i18n extract` is up to date, and every message is translated,
+    """`python -m course_lib.course.messages extract` is up to date, and every message is translated,
     reviewed (none fuzzy) and keeps exactly the fields it fills in."""
-    parts = i18n.split(i18n.extract())
+    parts = messages.split(messages.extract())
     files = {p.stem for p in i18n.package_po("es").parent.glob("*.po")}
     assert files == set(parts), "a catalogue without messages, or messages without one"
     for name, found in parts.items():
@@ -96,7 +98,7 @@ def test_the_flight_recorder_explains_a_hang_in_spanish():
 
 
 def test_the_check_table_s_case_labels_in_spanish():
-    from course_lib.grading.catalogue import get_exercise
+    from course_lib.course.catalogue import get_exercise
 
     ex = get_exercise("lesson03.shard_indices")
     assert ex.cases[0].describe(ex.function) == "12 samples, 3 ranks, rank 1, in order"

@@ -1,4 +1,4 @@
-"""Kernels forked from the shared zygote (course_lib.cluster.kernel_provisioner) behave as kernels
+"""Kernels forked from the shared zygote (course_lib.course.kernels) behave as kernels
 jupyter_client starts itself: the folder, environment and inline plots they were given, interrupt,
 restart, shutdown, and an end with their manager; anything that cannot be forked starts the usual
 way."""
@@ -16,7 +16,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from course_lib.cluster import zygote
-from course_lib.cluster.kernel_provisioner import NAME, ZygoteProvisioner
+from course_lib.course.kernels import NAME, ZygoteProvisioner
 
 pytestmark = pytest.mark.cluster
 
@@ -99,7 +99,7 @@ def test_what_cannot_be_forked_starts_as_a_new_python(managers, tmp_path):
 MANAGER = textwrap.dedent("""
     import sys
     from jupyter_client.manager import KernelManager
-    from course_lib.cluster import kernel_provisioner
+    from course_lib.course import kernels as kernel_provisioner
     kernel_provisioner.use_in_this_process()
     km = KernelManager(kernel_name="python3")
     km.start_kernel()

@@ -10,8 +10,9 @@ import pytest
 
 from conftest import leftover_processes, less
 from course_lib.cluster import start
-from course_lib.grading import get_exercise, grade_function
-from course_lib.grading.batch import grade_all
+from course_lib.course.grading import get_exercise
+from course_lib.course.grading.learner import grade_function
+from course_lib.course.grading.batch import grade_all
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent

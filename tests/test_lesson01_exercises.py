@@ -14,7 +14,7 @@ import torch
 from conftest import full, less
 from course_lib import dist
 from course_lib.dist import stream, wire
-from course_lib.grading import grade_function
+from course_lib.course.grading.learner import grade_function
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests/
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "01_point_to_point.ipynb"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import full, less
 from course_lib.backend import default_dist
-from course_lib.grading import grade_function
+from course_lib.course.grading.learner import grade_function
 from course_lib.tensor_parallel import (column_parallel_forward, copy_to_parallel, divide,
                                         gather_from_parallel, reduce_from_parallel,
                                         row_parallel_forward, shard)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import full, less
-from course_lib.grading import grade_function
+from course_lib.course.grading.learner import grade_function
 from course_lib.pipeline import (ACTIVATION_TAG, GRADIENT_TAG, HEADER_LEN, backward_step,
                                  bubble_fractions, forward_step, gpipe_order, make_header,
                                  one_f_one_b_order, partition, pipeline_grads, stage_recv,

@@ -1,6 +1,6 @@
 """Every lesson in both editions: about an hour, no answer shown before its exercise, hints and
-feedback without code, no development history. Counted as `course_lib.lesson_shape` says;
-`python -m course_lib.lesson_shape` prints the table these tests hold each lesson to."""
+feedback without code, no development history. Counted as `course_lib.course.lesson_shape` says;
+`python -m course_lib.course.lesson_shape` prints the table these tests hold each lesson to."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from course_lib import i18n
 from course_lib import lesson_shape as shape
-from course_lib.grading.catalogue import exercises_for, lessons
+from course_lib.course.catalogue import exercises_for, lessons
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))

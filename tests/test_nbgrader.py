@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.build import export_source
-from course_lib.grading.nbgrader_course import write_course
+from course_lib.course.exports import export_source
+from course_lib.course.grading.nbgrader_course import write_course
 
 pytest.importorskip("nbgrader", reason="nbgrader is in the dev extra: pip install -e .[dev]")
 pytestmark = pytest.mark.slow

@@ -200,7 +200,7 @@ def test_bubble_fraction_from_events():
 
 def test_benchmark_summary_measures_bubble_from_events():
     """The benchmark's row for a 2-stage GPipe step with the ideal timeline (above)."""
-    from course_lib.bench.pipeline import summarize
+    from course_lib.course.bench.pipeline import summarize
 
     ideal = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 4, 5), (0, "B", 1, 5, 6),
              (1, "F", 0, 1, 2), (1, "F", 1, 2, 3), (1, "B", 0, 3, 4), (1, "B", 1, 4, 5)]
@@ -241,7 +241,7 @@ def test_pipeline_benchmark_runs_end_to_end(tmp_path):
     """Rows, JSON and plot on tiny sizes; the bubble itself is measured by the lead."""
     import json
 
-    from course_lib.bench import __main__ as bench_cli
+    from course_lib.course.bench import __main__ as bench_cli
 
     out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     assert bench_cli.main(["pipeline", "--stages", "2", "--microbatches", "1,2", "--width", "16",

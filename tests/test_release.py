@@ -16,11 +16,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import build, release
-from course_lib.components import COMPONENTS
-from course_lib.grading import judge, plain
-from course_lib.grading.catalogue import exercises_for, lessons
-from course_lib.grading.compare import mismatch
+from course_lib.course import build, exports, markers, release
+from course_lib.course.components import COMPONENTS
+from course_lib.course.grading import judge, plain
+from course_lib.course.catalogue import exercises_for, lessons
+from course_lib.course.compare import mismatch
 from learners import MARK_DDP, MARK_ENV, MARK_SAMPLER, ROOT, fill
 
 SCORE = re.compile(r"^(lesson\d\d\.\w+): (\d+) / (\d+) points", re.M)
@@ -52,16 +52,16 @@ def test_the_bundle_holds_the_student_notebooks_and_machinery_and_no_solution(bu
     assert any(f.startswith("notebooks/es/") for f in student)  # both editions
     for f in student:  # the student notebooks as the build writes them, not the solutions
         assert (bundle / f).read_bytes() == (ROOT / f).read_bytes()
-    machinery = ("course_lib/cluster/client.py", "course_lib/grading/learner.py",
-                 "course_lib/bench/__init__.py", "course_lib/dist/__init__.py",
+    machinery = ("course_lib/cluster/client.py", "course_lib/course/grading/learner.py",
+                 "course_lib/course/bench/__init__.py", "course_lib/dist/__init__.py",
                  "course_lib/locale/es/course_lib.po", "course_lib/i18n.py",
                  "README.md", "README.es.md", "docs/glossary.es.md", "pyproject.toml",
                  "constraints.txt", "course.py")
     assert [m for m in machinery if m not in files] == []
     for module in COMPONENTS:
-        text = (bundle / build.module_path(module)).read_text()
-        assert text.startswith(release.STUB_HEADER.split("{")[0]), module
-        assert "NotImplementedError" in text and build.BEGIN_SOLUTION not in text, module
+        text = (bundle / exports.module_path(module)).read_text()
+        assert text.startswith(exports.STUB_HEADER.split("{")[0]), module
+        assert "NotImplementedError" in text and markers.BEGIN_SOLUTION not in text, module
         assert "notebooks/es/" not in text, module  # built from the English edition
 
 
@@ -92,7 +92,7 @@ def test_the_release_command_refuses_a_used_folder_and_one_inside_the_repository
 
 def test_the_bundle_holds_every_expected_value_as_the_instructors_reference_computes_it(
         bundle: Path):
-    table = plain.loads((bundle / "course_lib" / "grading" / "expected.json").read_text())
+    table = plain.loads((bundle / "course_lib" / "course" / "grading" / "expected.json").read_text())
     every = [ex for lesson in lessons() for ex in exercises_for(lesson)]
     assert sorted(table) == sorted(ex.name for ex in every)
     for ex in every:
@@ -103,7 +103,7 @@ def test_the_bundle_holds_every_expected_value_as_the_instructors_reference_comp
 def test_every_module_of_the_bundle_imports_and_its_course_py_says_what_it_is(bundle: Path,
                                                                             tmp_path: Path):
     modules = [f"course_lib.{m}" for m in COMPONENTS] + [
-        "course_lib.cluster", "course_lib.grading", "course_lib.bench", "course_lib.gpt"]
+        "course_lib.cluster", "course_lib.course.grading", "course_lib.course.bench", "course_lib.gpt"]
     code = ("import importlib, sys\n"
             "for m in sys.argv[1:]:\n"
             "    print(importlib.import_module(m).__file__)\n")
@@ -158,7 +158,7 @@ def test_a_learner_runs_the_bundles_lesson00_and_then_lesson05_on_their_own_comp
                           ("04b_ddp_overlap", {"DistributedDataParallel": MARK_DDP})):
         fill(learner / f"{lesson}.ipynb", plant)
         exported = subprocess.run(
-            [sys.executable, "-c", "import sys; from course_lib.overlay import main; "
+            [sys.executable, "-c", "import sys; from course_lib.course.overlay import main; "
              "sys.exit(main(sys.argv[1:]))", lesson.split("_")[0]],
             cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert exported.returncode == 0, exported.stderr

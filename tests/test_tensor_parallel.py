@@ -193,7 +193,7 @@ def test_tp_benchmark_runs_end_to_end(tmp_path):
     """Rows, JSON and plot on tiny sizes; speed itself is measured by the lead."""
     import json
 
-    from course_lib.bench import __main__ as bench_cli
+    from course_lib.course.bench import __main__ as bench_cli
 
     out, png = tmp_path / "tp.json", tmp_path / "tp.png"
     assert bench_cli.main(["tp", "--worlds", "2", "--d-model", "16", "--d-hidden", "32",

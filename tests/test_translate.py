@@ -10,7 +10,7 @@ import nbformat
 import polib
 import pytest
 
-from course_lib import build, translate
+from course_lib.course import build, translate
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "lesson_src" / "solutions" / "90_fixture.ipynb"

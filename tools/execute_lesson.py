@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         print(f"running {path.relative_to(ROOT)}", flush=True)
         execute(path, timeout)
     stems = [p.stem for p in lessons(argv)]
-    return subprocess.call([sys.executable, "-m", "course_lib.build", "--only", *stems], cwd=ROOT)
+    return subprocess.call([sys.executable, "-m", "course_lib.course.build", "--only", *stems], cwd=ROOT)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ def _in_ipython() -> bool:
 
 
 _LIVE: set["Cluster"] = set()
+# Called on every engine as it becomes a rank: what the course registers (its overlay); a
+# callable of an importable module, so that it travels by name.
+STARTUP: list[Callable[[], None]] = []
 
 
 def _stop_all_at_exit() -> None:
@@ -138,7 +141,8 @@ class Cluster:
         self._view.use_cloudpickle()
         futures = [self._client[eid].apply_async(
                        engine.setup, rank, self.world_size, self.backend,
-                       watch if self._info[rank]["host"] == local else None, current())
+                       watch if self._info[rank]["host"] == local else None, current(),
+                       list(STARTUP))
                    for rank, eid in enumerate(self._ids)]
         calls.gather(self, futures, "setting up engines", self.timeout)
         if _in_ipython():

@@ -14,12 +14,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import psutil
 
 from course_lib import backend as backends
 from course_lib.processes import Recorded, end_processes
+from course_lib.i18n import LANG_ENV
 
 _STATE: dict[str, Any] = {}  # this engine's rank, world size and backend, once set up
 
@@ -46,16 +47,18 @@ def info() -> dict:
 
 
 def setup(rank: int, world_size: int, backend: str, watch: dict | None = None,
-          lang: str | None = None) -> None:
+          lang: str | None = None, startup: Sequence[Callable[[], None]] = ()) -> None:
     """Become rank `rank`; with `watch`, end this engine when the client process is gone;
-    messages in the client's language `lang` (the Spanish edition's errors are Spanish)."""
+    messages in the client's language `lang` (the Spanish edition's errors are Spanish); then
+    call what the client registered to run on every engine (`client.STARTUP`)."""
     import torch
 
-    from course_lib.i18n import LANG_ENV
 
     if lang:
         os.environ[LANG_ENV] = lang
     torch.set_num_threads(1)
+    for call in startup:
+        call()
     _STATE.update(rank=rank, world_size=world_size, backend=backend)
     install_globals("none")  # `dist` arrives with the process group
     if watch is not None:

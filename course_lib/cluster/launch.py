@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 
+from course_lib import backend as backends
 from course_lib.cluster import zygote
 from course_lib.cluster.errors import ClusterError
 from course_lib.i18n import _
@@ -24,8 +25,6 @@ POLL_SECONDS = 0.05
 def check_options(n: int, backend: str, engines: str, timeout: float, run_timeout: float,
                   joining: int, ipp_kwargs: dict) -> None:
     """ValueError for a cluster that cannot be started as asked, before anything starts."""
-    from course_lib import backend as backends
-
     backends.check_backend(backend, engines)
     if not (timeout > 0 and run_timeout > 0):
         raise ValueError("timeout and run_timeout must be positive seconds")
@@ -62,6 +61,7 @@ def ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any
                   controller_args=["--HeartMonitor.period=1000",
                                    "--HeartMonitor.max_heartmonitor_misses=30"])
     if engines == "local":  # forked from the zygote, as the engines are
+        # launchers subclasses ipyparallel's launchers: imported when a cluster starts
         from course_lib.cluster.launchers import ForkedControllerLauncher
 
         kwargs["controller_launcher_class"] = ForkedControllerLauncher

@@ -13,7 +13,7 @@ forks belong to the cluster that asked, which ends them by PID.
 One zygote can also serve many processes (`start_shared`): it listens on a Unix socket in a
 private folder, named to its clients by `SOCKET_ENV`, and serves any process of this user that
 runs the same Python. `python3 course.py lab` starts one for the lab, and the test suite one per
-worker: the kernels themselves are forked from it (`kernel_provisioner`), and their clusters'
+worker: the kernels themselves are forked from it (`course_lib.course.kernels`), and their clusters'
 engines, so neither imports torch again. A client whose shared zygote is gone or refuses starts
 its own, as above. A forked process takes its environment, folder and PYTHONPATH from the
 request, as a new process would; what the preloaded modules read at import (ipyparallel's
@@ -106,6 +106,8 @@ def _exit_with(parent: int) -> None:
 
     import psutil
 
+    # Not at the top: course.py loads this file by path with the system's Python, which has
+    # neither psutil nor the package, and only the zygote's own children get here.
     from course_lib.processes import alive
 
     try:
@@ -339,6 +341,7 @@ def stop() -> None:
 
 def end(proc: subprocess.Popen) -> None:
     """Close a zygote's pipe (it exits), then end it by PID if it has not."""
+    # Not at the top: course.py loads this file by path with the system's Python (see above).
     from course_lib.processes import end_processes, record
 
     try:

@@ -27,7 +27,7 @@ from course_lib.dist.group import (ProcessGroup, ReduceOp, destroy_process_group
                                    get_world_size, init_process_group, is_initialized, listen,
                                    new_group, set_debug_level)
 from course_lib.dist.p2p import irecv, isend, recv, send
-from course_lib.dist.symmetric import shared_zeros
+from course_lib.dist.shared import shared_zeros
 from course_lib.dist.work import Work
 
 __all__ = [

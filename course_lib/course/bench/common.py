@@ -1,0 +1,118 @@
+"""Helpers every benchmark shares: statistics, the run's metadata, JSON rows, a text table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from typing import Any, Iterable, Sequence
+
+
+def choose(text: str, known: Iterable[str], what: str = "variants") -> list[str]:
+    """The comma-separated names in `text`, each one of `known` (else a one-line exit)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of the repeats: robust to the odd slow run on a shared 2-core machine."""
+    return statistics.median(list(values))
+
+
+def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
+    """Per repeat, the slowest rank's time: one operation lasts until its last rank finishes."""
+    return [max(times) for times in zip(*per_rank_seconds)]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo, else what the platform says)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mpi_version() -> str | None:
+    """The MPI library mpi4py runs on (its first line), or None without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def metadata() -> dict[str, Any]:
+    """What a reader needs to judge the figures: the machine and the versions (no date and no
+    host name: the page that shows them carries no history)."""
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mpi": mpi_version(),
+    }
+
+
+def write_json(path: str, name: str, rows: list[dict], args: dict[str, Any],
+               argv: list[str] | None = None) -> None:
+    """Write {"benchmark", "argv", "args", "meta", "rows"}, so a run can be re-plotted, compared
+    or reported later (`course_lib.course.bench.report`)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "argv": argv, "args": args, "meta": metadata(),
+                   "rows": rows}, f, indent=1, default=str)
+
+
+def format_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
+    """A plain-text table of the rows (floats to 4 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    table = [columns] + [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
+
+
+def finish(fig: Any, path: str | None) -> Any:
+    """Lay `fig` out; save it to `path` and close it, or return it (in a notebook)."""
+    fig.tight_layout()
+    if path is None:
+        return fig
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def speed_and_state(rows: list[dict], speed: str, speed_label: str, state_label: str,
+                    title: str, path: str | None) -> Any:
+    """Two bar charts per variant side by side: `speed` (one number per row), and the measured
+    state per rank (`state_mib`) with the formula's (`formula_mib`) as dots."""
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
+    a.barh(names, [r[speed] for r in rows], color="tab:blue")
+    a.set_xlabel(speed_label)
+    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label="measured")
+    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3, label="formula")
+    b.set_xlabel(state_label)
+    b.legend(loc="lower right")
+    a.invert_yaxis()
+    fig.suptitle(title)
+    return finish(fig, path)

@@ -1,0 +1,167 @@
+"""Pipeline schedules: time per step, measured bubble vs (p-1)/(m+p-1), stored activations.
+
+Each stage is the same stack of wide linear layers (one thread per rank), so stages are
+balanced and compute dominates the point-to-point traffic: the conditions under which the
+bubble should follow (p - 1) / (m + p - 1). The bubble is measured from the recorded events:
+per stage, 1 - busy time / the step's span over all stages; a row reports the mean over stages
+(median over repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from course_lib.course.bench.common import median, slowest_rank
+from course_lib.backend import default_dist
+from course_lib.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
+from course_lib.pipeline import Event, bubble_fractions, ideal_bubble
+from course_lib.spawn import spawn
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", default="2,4", help="comma-separated numbers of stages")
+    p.add_argument("--microbatches", default="1,2,4,8", help="comma-separated values of m")
+    p.add_argument("--schedules", default="gpipe,1f1b", help=f"subset of {SCHEDULES}")
+    p.add_argument("--width", type=int, default=1024, help="features of every linear layer")
+    p.add_argument("--layers-per-stage", type=int, default=8,
+                   help="linear+ReLU blocks per stage (more: stages closer to equal, since "
+                        "stage 0 computes no input gradient)")
+    p.add_argument("--microbatch-size", type=int, default=64, help="rows per micro-batch")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--backend", default="gloo", choices=("gloo", "scratch"))
+
+
+def run_stage(rank: int, world: int, cfg: dict) -> list[dict]:
+    """One stage: for each schedule and m, warm-up steps then timed steps; per-step records."""
+    import torch
+    from torch import nn
+
+
+    torch.manual_seed(0)
+    width, layers = cfg["width"], cfg["layers_per_stage"] * world
+    model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width),
+                                                                 nn.ReLU())))
+    stage = PipelineStage(split_sequential(model, world)[rank], rank, world)
+    dist = default_dist()
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    records = []
+    for name in cfg["schedules"]:
+        for m in cfg["microbatches"]:
+            schedule = classes[name](stage, m, loss_fn=nn.functional.mse_loss)
+            x = torch.randn(m * cfg["microbatch_size"], width)
+            for i in range(cfg["warmup"] + cfg["repeats"]):
+                stage.submodule.zero_grad(set_to_none=True)
+                dist.barrier()
+                start = time.perf_counter()
+                if stage.is_first and stage.is_last:
+                    schedule.step(x, target=x)
+                elif stage.is_first:
+                    schedule.step(x)
+                elif stage.is_last:
+                    schedule.step(target=x)
+                else:
+                    schedule.step()
+                elapsed = time.perf_counter() - start
+                if i >= cfg["warmup"]:
+                    records.append({"schedule": name, "m": m, "seconds": elapsed,
+                                    "events": [tuple(e) for e in schedule.events],
+                                    "peak_live": schedule.peak_live,
+                                    "peak_bytes": schedule.peak_activation_bytes})
+    return records
+
+
+def summarize(p: int, per_rank: list[list[dict]]) -> list[dict]:
+    rows = []
+    n = len(per_rank[0])
+    keys = sorted({(r["schedule"], r["m"]) for r in per_rank[0]},
+                  key=lambda k: (SCHEDULES.index(k[0]), k[1]))
+    for name, m in keys:
+        idx = [i for i in range(n) if (per_rank[0][i]["schedule"], per_rank[0][i]["m"]) ==
+               (name, m)]
+        times = slowest_rank([[per_rank[r][i]["seconds"] for i in idx] for r in range(p)])
+        bubbles = []
+        for i in idx:
+            events = [Event(*e) for r in range(p) for e in per_rank[r][i]["events"]]
+            per_stage = bubble_fractions(events)
+            bubbles.append(sum(per_stage.values()) / len(per_stage))
+        last = idx[-1]
+        rows.append({
+            "stages": p, "schedule": name, "m": m,
+            "step_s": median(times),
+            "bubble": median(bubbles), "ideal_bubble": ideal_bubble(p, m),
+            "peak_live_per_stage": "/".join(str(per_rank[r][last]["peak_live"])
+                                            for r in range(p)),
+            "peak_act_MiB": max(per_rank[r][last]["peak_bytes"] for r in range(p)) / 2**20,
+        })
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    schedules = [s.strip().lower() for s in args.schedules.split(",") if s.strip()]
+    unknown = set(schedules) - set(SCHEDULES)
+    if unknown:
+        raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {SCHEDULES}")
+    cfg = {"width": args.width, "layers_per_stage": args.layers_per_stage,
+           "microbatch_size": args.microbatch_size, "repeats": args.repeats,
+           "warmup": args.warmup, "schedules": schedules, "microbatches": _ints(args.microbatches)}
+    rows = []
+    for p in _ints(args.stages):
+        per_rank = spawn(run_stage, p, cfg, backend=args.backend, timeout=600)
+        rows += summarize(p, per_rank)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Measured bubble vs m for each schedule and p, against (p - 1) / (m + p - 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plot_bubble(rows, ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bubble(rows: list[dict], ax) -> None:
+    """Bubble fraction vs number of micro-batches: measured points, ideal curve."""
+    for p in sorted({r["stages"] for r in rows}):
+        ms = sorted({r["m"] for r in rows if r["stages"] == p})
+        ax.plot(ms, [(p - 1) / (m + p - 1) for m in ms], "k--", lw=1,
+                label=f"(p-1)/(m+p-1), p={p}")
+        for name, marker in zip(SCHEDULES, "os"):
+            pts = [(r["m"], r["bubble"]) for r in rows if r["stages"] == p and
+                   r["schedule"] == name]
+            if pts:
+                ax.plot(*zip(*pts), marker, label=f"{name}, p={p} (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle share of the step)")
+    ax.legend(fontsize=8)
+
+
+def plot_gantt(events, ax, title: str = "") -> None:
+    """The measured schedule: one row per stage, F and B boxes labelled by micro-batch."""
+    events = [Event(*e) for e in events]
+    t0 = min(e.start for e in events)
+    colors = {"F": "tab:blue", "B": "tab:orange"}
+    for e in events:
+        ax.barh(e.rank, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, height=0.8,
+                color=colors[e.action], edgecolor="white")
+        ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, e.rank, str(e.microbatch),
+                ha="center", va="center", fontsize=7, color="white")
+    ranks = sorted({e.rank for e in events})
+    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (blue: forward, orange: backward; numbers: micro-batch)")
+    ax.set_title(title)

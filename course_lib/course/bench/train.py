@@ -1,0 +1,145 @@
+"""train: the capstone's GPT on each (dp, tp, pp) layout and on PyTorch's own stack, side by side.
+
+Every variant is a `course_lib.train.Run` of the same model and batches on the same gloo process
+group, built once and stepped in turn, iteration by iteration, so the machine's noise hits all
+of them alike. Per variant: median step time of the slowest rank, tokens per second, the ratio
+to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP with
+FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of
+parameters, gradients and optimizer state of the fullest rank, measured from the tensors'
+storages and by the formula the capstone notebook states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from course_lib.course.bench.common import choose, median, slowest_rank, speed_and_state
+from course_lib.train import TrainConfig
+from course_lib.train import Run
+from course_lib.spawn import spawn
+
+VARIANTS = {  # name: (dp, tp, pp, zero, stack)
+    "dp4": (4, 1, 1, 0, "course"),
+    "dp4-zero1": (4, 1, 1, 1, "course"),
+    "dp4-zero3": (4, 1, 1, 3, "course"),
+    "dp2-tp2": (2, 2, 1, 0, "course"),
+    "dp2-pp2": (2, 1, 2, 0, "course"),
+    "tp2-pp2": (1, 2, 2, 0, "course"),
+    "dp2-tp2-zero1": (2, 2, 1, 1, "course"),
+    "dp2-tp2-zero3": (2, 2, 1, 3, "course"),
+    "torch-ddp": (4, 1, 1, 0, "torch"),
+    "torch-zero1": (4, 1, 1, 1, "torch"),
+    "torch-fsdp2": (4, 1, 1, 3, "torch"),
+    "torch-tp-fsdp2": (2, 2, 1, 3, "torch"),
+    "torch-pp": (2, 1, 2, 0, "torch"),
+}
+COUNTERPART = {"dp4": "torch-ddp", "dp4-zero1": "torch-zero1",
+               "dp4-zero3": "torch-fsdp2", "dp2-tp2-zero3": "torch-tp-fsdp2",
+               "dp2-pp2": "torch-pp"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of: " + ", ".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=900.0)
+
+
+def config(name: str, args: dict) -> Any:
+    dp, tp, pp, zero, stack = VARIANTS[name]
+    return TrainConfig(dp=dp, tp=tp, pp=pp, zero=zero, stack=stack, steps=0,
+                       batch_size=args["batch_size"], micro_batches=args["micro_batches"],
+                       precision=args["precision"], n_layer=args["n_layer"],
+                       n_embd=args["n_embd"], block_size=args["block_size"])
+
+
+def formula_bytes(cfg: Any, vocab_size: int, coords: dict[str, int]) -> float:
+    """fp32 weights, gradients and AdamW's two moments of the rank at `coords`: 16 bytes per
+    local parameter with DDP, 8 + 8/dp with ZeRO-1, 16/dp with ZeRO-3. Local parameters: the
+    blocks of its stage, their matrices and column biases split by tp (12C^2 + 7C each), norms
+    and row biases whole (6C); the embeddings (V + T)C on the first stage, the final norm (2C)
+    and, with pp > 1, the tied head's own copy VC on the last."""
+    c = cfg.n_embd
+    local = cfg.n_layer // cfg.pp * ((12 * c * c + 7 * c) / cfg.tp + 6 * c)
+    if coords["pp"] == 0:
+        local += (vocab_size + cfg.block_size) * c
+    if coords["pp"] == cfg.pp - 1:
+        local += 2 * c + (vocab_size * c if cfg.pp > 1 else 0)
+    per_param = {0: 16, 1: 8 + 8 / cfg.dp, 3: 16 / cfg.dp}[cfg.zero]
+    return per_param * local
+
+
+def measure(names: list[str], args: dict) -> dict:
+    """Build every variant on this rank, then step them in turn; per variant the step times,
+    the state bytes and the formula's bytes."""
+    import torch
+    import torch.distributed as tdist
+
+
+    torch.set_num_threads(1)
+    runs = {n: Run(config(n, args), dist=tdist) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args["warmup"] + args["steps"]):
+        for n, run in runs.items():
+            x, y = next(run.data)
+            tdist.barrier()
+            start = time.perf_counter()
+            run.step(x, y)
+            if i >= args["warmup"]:
+                times[n].append(time.perf_counter() - start)
+    return {"times": times,
+            "bytes": {n: sum(r.memory.values()) for n, r in runs.items()},
+            "formula": {n: formula_bytes(r.cfg, r.vocab_size, r.layout.coords)
+                        for n, r in runs.items()}}
+
+
+def _worker(rank: int, world: int, args: dict, names: list[str]) -> dict:
+    return measure(names, args)
+
+
+def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
+    tokens = args["batch_size"] * args["block_size"]
+    step = {n: median(slowest_rank([r["times"][n] for r in results])) for n in names}
+    rows = []
+    for n in names:
+        fullest = max(range(len(results)), key=lambda k: results[k]["bytes"][n])
+        measured, formula = results[fullest]["bytes"][n], results[fullest]["formula"][n]
+        counterpart = COUNTERPART.get(n)
+        dp, tp, pp, zero, stack = VARIANTS[n]
+        rows.append({"variant": n, "layout": f"({dp},{tp},{pp})", "zero": zero, "stack": stack,
+                     "step_ms": 1e3 * step[n], "tokens_per_s": tokens / step[n],
+                     "vs_torch": step[n] / step[counterpart] if counterpart in step else None,
+                     "state_mib": measured / 2**20, "formula_mib": formula / 2**20,
+                     "vs_formula": measured / formula})
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    names = choose(args.variants, VARIANTS)
+    conf = {k: getattr(args, k) for k in ("steps", "warmup", "batch_size", "micro_batches",
+                                          "precision", "n_layer", "n_embd", "block_size")}
+    results = spawn(_worker, 4, conf, names, backend="gloo", timeout=args.timeout)
+    return summarize(results, names, conf)
+
+
+def plot(rows: list[dict], path: str | None = None) -> Any:
+    """Tokens per second and state bytes per rank (measured, and the formula), per variant."""
+    return speed_and_state(rows, "tokens_per_s", "tokens per second (slowest rank, median step)",
+                           "parameters + gradients + AdamW state, fullest rank (MiB)",
+                           "The capstone GPT on 4 ranks (gloo): layouts and torch's stack", path)
+
+
+def quick_args(**overrides: Any) -> argparse.Namespace:
+    """The benchmark's defaults (what the notebook and the tests shrink)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return argparse.Namespace(**{**vars(p.parse_args([])), **overrides})
