@@ -1,0 +1,50 @@
+"""The components alone: `pip install` of the package, without the course's extras, into a
+fresh virtual environment, trains DDP on two spawned ranks (gloo and our own process group)
+equal to one process, and never imports the course's machinery."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).parent / "fixtures" / "bare" / "ddp_two_ranks.py"
+COURSE_ONLY = ("jupyterlab", "nbformat", "nbclient", "matplotlib", "nbval", "pytest")
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c",
+                           str(ROOT / "constraints.txt"), str(ROOT)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return python
+
+
+def test_the_bare_package_installs_none_of_the_course_s_extras(bare_python: Path):
+    listed = subprocess.run([str(bare_python), "-m", "pip", "list", "--format=freeze"],
+                            capture_output=True, text=True, timeout=120).stdout.lower()
+    names = {line.split("==")[0].replace("_", "-") for line in listed.split()}
+    assert "torch" in names and "course-lib" in names
+    assert not names & set(COURSE_ONLY), sorted(names & set(COURSE_ONLY))
+
+
+@pytest.mark.parametrize("backend", ["gloo", "scratch"])
+def test_ddp_on_two_spawned_ranks_equals_one_process(bare_python: Path, tmp_path: Path,
+                                                    backend: str):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_ZYGOTE_SOCKET")}
+    done = subprocess.run([str(bare_python), str(SCRIPT), backend], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, diff = done.stdout.split("\n")[0].split()
+    assert name == backend and float(diff) <= 1e-12, done.stdout
+    assert "course machinery imported: False" in done.stdout
