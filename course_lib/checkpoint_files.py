@@ -5,14 +5,16 @@ A checkpoint is a folder: one safetensors file per rank that holds something, an
 tensor, length) and every file's size and CRC-32. Nothing is unpickled: tensors are raw bytes,
 everything else JSON. What the lesson teaches (the order of the writes, the agreement between
 ranks, which saved pieces a rank reads, the checks before anything is changed) is written by
-the learner in `course_lib.checkpoint`; this module holds the format and the bookkeeping:
+the learner in `course_lib.checkpoint`; this module holds the bookkeeping, and the format
+(`course_lib.checkpoint_format`, whose names are importable from here too):
 
 - `flatten`: a nested state dict's leaves by dotted key, as DCP names them;
 - `plan_save`: every rank's holdings, all-gathered as JSON; who writes which tensor (a
   replicated one by the least loaded holder), the shard names, the manifest's text;
-- `write_shard`: a safetensors file straight from tensor memory, hashed as it goes out, through
-  the atomic writer it is given;
-- `read_manifest`, `map_file`, `parse_shard`, `crc32`: reading back, nothing trusted unchecked;
+- `write_shard` (the format's): a safetensors file straight from tensor memory, hashed as it
+  goes out, through the atomic writer it is given;
+- `read_manifest`, `map_file`, `parse_shard`, `crc32` (the format's): reading back, nothing
+  trusted unchecked;
 - `destinations`: where each tensor of a state dict is filled from, its dtype and shape checked;
 - `attempt`, `all_gather_json`, `agree`: every rank hears of every rank's failure, so no rank
   waits forever on one that gave up.
@@ -22,53 +24,26 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
-import os
 import secrets
-import struct
-import threading
-import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from course_lib.backend import default_dist
-from course_lib.dist.wire import byte_view
+from course_lib.checkpoint_format import (FORMAT, MANIFEST, ST_DTYPE, CheckpointError, Crc32,
+                                          crc32, map_file, parse_shard, read_manifest,
+                                          read_shard, shard_name, shard_parts, verify,
+                                          write_shard)
 from course_lib.zero import Piece
 
-MANIFEST = "manifest.json"
-FORMAT = "course_lib.checkpoint/1"
+__all__ = ["MANIFEST", "FORMAT", "VALUE_TYPES", "ST_DTYPE", "CheckpointError", "Crc32", "crc32",
+           "flatten", "is_tensor", "dtype_name", "describe", "flat", "rank_and_size",
+           "all_gather_json", "attempt", "agree", "plan_writes", "shard_name", "SavePlan",
+           "plan_save", "shard_parts", "write_shard", "read_manifest", "map_file", "parse_shard",
+           "read_shard", "verify", "Targets", "destinations", "Piece"]
+
 VALUE_TYPES = (int, float, str, bool, type(None))
-ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-            torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # safetensors' names
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded, naming the file and the rank."""
-
-
-class Crc32:
-    """zlib's CRC-32 with hashlib's update/hexdigest: twice SHA-256's speed, and enough to
-    catch torn writes and flipped bits (a manifest is not a signature either way)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def crc32(data: Any) -> str:
-    """The CRC-32 of a buffer (bytes, a memoryview, a uint8 tensor) as the manifest writes it."""
-    digest = Crc32()
-    digest.update(data.numpy() if isinstance(data, torch.Tensor) else data)
-    return digest.hexdigest()
 
 
 # -- state dicts -------------------------------------------------------------------------------
@@ -218,10 +193,6 @@ def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str
     return entries, values, writes
 
 
-def shard_name(rank: int, world: int, token: str) -> str:
-    return f"shard-{rank:05d}-of-{world:05d}.{token}.safetensors"
-
-
 class SavePlan:
     """What one save writes, the same on every rank: `shard(rank)` names a rank's file,
     `tensors(rank)` is what this rank writes into it, `manifest(infos)` the manifest's text
@@ -275,131 +246,7 @@ def plan_save(leaves: dict, folder: Path, dist: Any, group: Any, world: int) -> 
     return plan
 
 
-def shard_parts(tensors: dict[str, torch.Tensor]) -> list:
-    """A safetensors file's bytes as buffers: the header, then each tensor's memory (no copy)."""
-    header, at = {}, 0
-    # Widest elements first, as safetensors writes them, so every tensor's offset is aligned.
-    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
-    for name, t in tensors.items():
-        header[name] = {"dtype": ST_DTYPE[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [at, at + t.nbytes]}
-        at += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
-    return [struct.pack("<Q", len(text)) + text] + [byte_view(t) for t in tensors.values()]
-
-
-def write_shard(path: Path, tensors: dict[str, torch.Tensor],
-                write: Callable[[Path, list], None]) -> dict | None:
-    """Write `tensors` as a safetensors file through `write(path, parts)` (the atomic writer),
-    hashing on a second thread as the bytes go out; its size and CRC-32 for the manifest, or
-    None when there is nothing to write."""
-    if not tensors:
-        return None
-    parts = shard_parts(tensors)
-    digest = Crc32()
-    hasher = threading.Thread(target=lambda: [digest.update(p) for p in parts])
-    hasher.start()  # zlib and file writes both release the GIL on large buffers
-    try:
-        write(path, parts)
-    except Exception as exc:  # noqa: BLE001 - named with the file, for every rank to read
-        raise CheckpointError(f"writing {path}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        hasher.join()
-    return {"bytes": sum(len(p) for p in parts), "crc32": digest.hexdigest()}
-
-
 # -- loading -----------------------------------------------------------------------------------
-
-
-def read_manifest(checkpoint_id: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint (every file present with its size, every piece in
-    a listed file), or a CheckpointError naming what is missing or malformed. Checksums are
-    the loader's to check."""
-    folder = Path(checkpoint_id)
-    path = folder / MANIFEST
-    try:
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no {MANIFEST} (the save never finished)") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not all(
-            isinstance(manifest.get(k), dict) for k in ("files", "tensors", "values")):
-        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
-    for name, info in manifest["files"].items():
-        if Path(name).name != name:
-            raise CheckpointError(f"{path}: file name {name!r} leaves the folder")
-        try:
-            size = (folder / name).stat().st_size
-        except OSError:
-            raise CheckpointError(f"{folder / name}: missing") from None
-        if size != info.get("bytes"):
-            raise CheckpointError(f"{folder / name}: {size} bytes, the manifest says "
-                                  f"{info.get('bytes')} (truncated or overwritten)")
-    for key, entry in manifest["tensors"].items():
-        for piece in entry.get("pieces", []):
-            if piece.get("file") not in manifest["files"]:
-                raise CheckpointError(f"{path}: {key!r} is in {piece.get('file')}, which it "
-                                      "does not list")
-    return manifest
-
-
-def map_file(path: Path) -> torch.Tensor:
-    """A file's bytes as a read-only uint8 tensor over the file mapped into memory (no copy)."""
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < 8:
-                raise CheckpointError(f"{path}: too short for a safetensors file")
-            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ,
-                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
-    with warnings.catch_warnings():  # read-only memory: only ever copied out of
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapped, dtype=torch.uint8)
-
-
-def parse_shard(buffer: torch.Tensor, path: Path | str = "shard") -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, as flat views of its bytes, every offset checked."""
-    try:
-        (size,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
-        if not 2 <= size <= buffer.numel() - 8:
-            raise ValueError(f"header of {size} bytes in a file of {buffer.numel()}")
-        header = json.loads(bytes(buffer[8:8 + size].numpy()))
-        data, out = buffer[8 + size:], {}
-        dtypes = {v: k for k, v in ST_DTYPE.items()}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype, (a, b) = dtypes[entry["dtype"]], entry["data_offsets"]
-            numel = math.prod(int(n) for n in entry["shape"])
-            if not 0 <= a <= b <= data.numel() or b - a != numel * dtype.itemsize:
-                raise ValueError(f"{name!r}: offsets [{a}, {b}) do not fit {entry}")
-            raw = data[a:b] if a % dtype.itemsize == 0 else data[a:b].clone()  # another writer's
-            out[name] = raw.view(dtype).view(-1) if numel else torch.empty(0, dtype=dtype)
-        return out
-    except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a safetensors file: {exc}") from None
-
-
-def read_shard(folder: Path, name: str, info: dict) -> dict[str, torch.Tensor]:
-    """One shard's tensors after checking its size and checksum against the manifest's `info`."""
-    data = map_file(Path(folder) / name)
-    if data.numel() != info["bytes"]:
-        raise CheckpointError(f"{Path(folder) / name}: {data.numel()} bytes, the manifest says "
-                              f"{info['bytes']} (truncated or overwritten)")
-    if crc32(data) != info["crc32"]:
-        raise CheckpointError(f"{Path(folder) / name}: checksum mismatch (the file is corrupt)")
-    return parse_shard(data, Path(folder) / name)
-
-
-def verify(checkpoint_id: str | os.PathLike) -> dict:
-    """Read every file of a checkpoint and check it against the manifest; returns the manifest."""
-    manifest = read_manifest(checkpoint_id)
-    for name, info in manifest["files"].items():
-        read_shard(Path(checkpoint_id), name, info)
-    return manifest
 
 
 class Targets(list):

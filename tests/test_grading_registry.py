@@ -16,9 +16,11 @@ from course_lib.course.catalogue import LOAD_ERRORS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FILES = ROOT / "course_lib" / "course" / "grading" / "exercises"
-# Only the package's lessons (test modules register fixture exercises of their own).
+# Only the package's lessons (test modules register fixture exercises of their own): a lesson's
+# module, or its package (one module per part).
 EXERCISES = [ex for lesson in lessons() for ex in exercises_for(lesson)
-             if (PACKAGE_FILES / f"{ex.name.split('.')[0]}.py").exists()]
+             if (PACKAGE_FILES / f"{ex.name.split('.')[0]}.py").exists()
+             or (PACKAGE_FILES / ex.name.split('.')[0] / "__init__.py").exists()]
 
 
 def test_every_exercise_module_loads():

@@ -6,9 +6,11 @@ rank order. Nothing waits forever: a rank that hangs is interrupted (or its engi
 and the error names it. Every process started here is ended by PID when the cluster stops, on
 errors, on KeyboardInterrupt and at interpreter exit.
 
-Parts: `client` (`start`, `Cluster`: what a notebook calls), `engine` (what each engine runs
-to become a rank, and where the `%%px` globals come from), `join` (engines that join from
-another machine: `course.py engines`), `errors`.
+Parts: `client` (`start`, `Cluster`: what a notebook calls), `ranks` (`Cluster`'s base: its
+engines made ranks, their process group), `engine` (what each engine runs to become a rank,
+and where the `%%px` globals come from), `join` (engines that join from another machine:
+`course.py engines`), `zygote` and `zygote_server` (local engines forked, torch already
+imported), `errors`.
 """
 
 from course_lib.backend import BACKENDS, DEFAULT_BACKEND

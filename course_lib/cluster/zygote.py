@@ -23,296 +23,31 @@ Each engine's nanny (ipyparallel's process that relays signals to the engine and
 controller at once when it dies) is forked too, from the engine before it runs anything, and
 handed its arguments as JSON when the engine asks for it: ipyparallel would start a fresh
 Python for it, 0.7 s of CPU per engine.
+
+The zygote's own side (its loops, and what a forked process runs to become an engine, a
+controller or a kernel) is `zygote_server.py`, which this module runs as a script; its names are
+importable from here too, where this module is imported as part of the package.
 """
 
 from __future__ import annotations
 
 import atexit
-import base64
 import json
 import os
-import resource
 import select
-import shutil
-import signal
 import socket
-import struct
 import subprocess
 import sys
-import tempfile
-import traceback
 
-PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app",  # _dynamo: see course_lib.spawn
-           "ipyparallel.controller.app", "ipykernel.kernelapp")
 START_TIMEOUT = 60.0  # seconds for the zygote to import PRELOAD and answer its first request
 SOCKET_ENV = "COURSE_ZYGOTE_SOCKET"  # a shared zygote's socket, for the processes it serves
-REQUEST_SECONDS = 5.0  # a shared zygote's wait for a connected client's request line
-NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")  # a client's must be ours
+SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_server.py")
+
+if __package__:  # course.py loads this file alone, by its path, where the server is not needed
+    from course_lib.cluster.zygote_server import (NAMESPACES, PRELOAD, REQUEST_SECONDS, serve,
+                                                  serve_shared)
 
 _zygote: subprocess.Popen | None = None
-_OWN_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                   if p]
-
-
-def _become(request: dict) -> None:
-    """In the forked child: detach, take the request's stdio, environment and folder, and run
-    ipyparallel's engine (or, if the request says so, its controller, or a Jupyter kernel);
-    never returns."""
-    code = 1
-    try:
-        os.setsid()  # like ipyparallel's launcher: the client's terminal signals are not ours
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        if request["log"]:
-            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-        else:  # the zygote's own stderr (a shared one's stdout is its owner's pipe)
-            os.dup2(2, 1)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        _fresh_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
-        app = request.get("app")
-        if app == "kernel":  # as ipykernel_launcher: the folder off sys.path while it loads
-            del sys.path[0]
-            _exit_with(request["parent"])
-            from ipykernel.kernelapp import IPKernelApp as App
-        elif app == "controller":
-            from ipyparallel.controller.app import IPController as App
-        else:
-            _fork_nanny()
-            from ipyparallel.engine.app import IPEngine as App
-        argv = request["argv"]
-        if app != "kernel":  # ipyparallel took its default folder from the zygote's at import
-            argv = [f"--work-dir={request['cwd']}"] + argv
-        sys.argv = [sys.modules[App.__module__].__file__, *argv]  # not the zygote's
-        App.launch_instance(argv)
-        code = 0
-    except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _exit_with(parent: int) -> None:
-    """End this process when `parent` (a kernel's manager, not its parent here) ends, as
-    ipykernel's parent poller does for the kernels a manager starts itself."""
-    import threading
-    import time
-
-    import psutil
-
-    # Not at the top: course.py loads this file by path with the system's Python, which has
-    # neither psutil nor the package, and only the zygote's own children get here.
-    from course_lib.processes import alive
-
-    try:
-        manager = psutil.Process(parent)
-    except psutil.NoSuchProcess:
-        os._exit(1)
-
-    def watch() -> None:
-        while alive(manager):  # the very process: a recycled PID is not it
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="course-parent-watch").start()
-
-
-def _fresh_path(cwd: str, pythonpath: str) -> None:
-    """sys.path as a new `python -m` in `cwd` with this PYTHONPATH would have it (a learner's
-    bundle on PYTHONPATH must be the course_lib its engines import)."""
-    wanted = [os.path.abspath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep) if p]
-    sys.path[:] = [cwd] + wanted + [p for p in sys.path[1:]
-                                    if p not in wanted and p not in _OWN_PYTHONPATH]
-
-
-def _plain(value):
-    """The nanny's arguments as JSON data: bytes tagged, dicts (its Session config) as dicts."""
-    if isinstance(value, bytes):
-        return {"__bytes__": base64.b64encode(value).decode("ascii")}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"a {type(value).__name__} in the nanny's arguments")
-
-
-def _unplain(value):
-    if isinstance(value, dict):
-        if set(value) == {"__bytes__"}:
-            return base64.b64decode(value["__bytes__"])
-        return {k: _unplain(v) for k, v in value.items()}
-    return value
-
-
-def _fork_nanny() -> None:
-    """Fork this engine's nanny now, while this process is a clean copy of the zygote, and make
-    ipyparallel's engine hand it its arguments instead of starting a new Python."""
-    import ipyparallel.engine.app as app
-
-    args_r, args_w = os.pipe()
-    url_r, url_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        _become_nanny(args_r, url_w, (args_w, url_r))
-    os.close(args_r)
-    os.close(url_w)
-    fallback = app.start_nanny
-
-    def start_nanny(**kwargs):
-        kwargs["pid"] = os.getpid()
-        try:
-            data = json.dumps({k: _plain(v) for k, v in kwargs.items()}).encode()
-        except TypeError:  # an argument a later ipyparallel added: its own way, then
-            os.close(args_w)
-            return fallback(**{k: v for k, v in kwargs.items() if k != "pid"})
-        with os.fdopen(args_w, "wb") as f:
-            f.write(data)
-        pipe = os.fdopen(url_r, "r")  # held open by the engine: the nanny ends when it closes
-        url = pipe.readline().strip()
-        if not url:
-            raise RuntimeError("nanny failed")
-        return url, pipe
-
-    app.start_nanny = start_nanny
-
-
-def _become_nanny(args_r: int, url_w: int, parents: tuple[int, int]) -> None:
-    """In the nanny: wait for the engine's arguments (none if it exits first), then run
-    ipyparallel's KernelNanny, writing its address to `url_w`; never returns."""
-    code = 1
-    try:
-        for fd in parents:
-            os.close(fd)
-        os.setsid()  # as ipyparallel starts it: signals to the engine's group are not ours
-        with os.fdopen(args_r, "rb") as f:
-            data = f.read()
-        if data:
-            from ipyparallel.engine.nanny import KernelNanny
-            from traitlets.config import Config
-
-            kwargs = {k: _unplain(v) for k, v in json.loads(data).items()}
-            kwargs["config"] = Config(kwargs["config"])
-            kwargs["pipe"] = os.fdopen(url_w, "w", buffering=1)
-            KernelNanny.main(**kwargs)
-        code = 0
-    except BaseException:  # noqa: BLE001 - said in the engine's log, which it shares
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _preload() -> None:
-    for name in PRELOAD:
-        __import__(name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is not for us
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited engines are reaped by the kernel
-
-
-def serve() -> None:
-    """The zygote's loop: one process forked per request line, until stdin closes."""
-    _preload()
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _become(request)
-        sys.stdout.write(json.dumps({"pid": pid}) + "\n")
-        sys.stdout.flush()
-
-
-def serve_shared() -> None:
-    """A shared zygote's loop: says its socket on stdout at once, then imports PRELOAD and forks
-    one process per connection's request line, until stdin closes (its owner exited)."""
-    folder = tempfile.mkdtemp(prefix="course-zygote-")  # 0700: only this user reaches the socket
-    path = os.path.join(folder, "socket")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        server.bind(path)
-        server.listen(16)  # requests made while PRELOAD imports wait here
-        sys.stdout.write(json.dumps({"socket": path}) + "\n")
-        sys.stdout.flush()
-        _preload()
-        while True:
-            ready, _, _ = select.select([0, server], [], [])
-            if 0 in ready and not os.read(0, 4096):
-                return
-            if server in ready:
-                conn, _ = server.accept()
-                with conn:
-                    _answer(conn, server)
-    finally:
-        server.close()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _answer(conn: socket.socket, server: socket.socket) -> None:
-    """Fork the process one connection asks for and reply with its PID, or say why not."""
-    peer = None
-    if hasattr(socket, "SO_PEERCRED"):
-        peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           struct.calcsize("3i")))
-        if uid != os.getuid():
-            return
-    try:
-        conn.settimeout(REQUEST_SECONDS)
-        request = json.loads(conn.makefile("rb").readline(1 << 20))
-        unlike = _unlike(peer) if peer else None
-        if request.get("executable") != sys.executable:
-            reply = {"error": f"this zygote runs {sys.executable}"}
-        elif unlike:
-            reply = {"error": f"the client runs in {unlike}"}
-        else:
-            limits = _limits_of(peer) if peer else {}
-            pid = os.fork()
-            if pid == 0:
-                server.close()
-                conn.close()
-                for which, value in limits.items():
-                    try:
-                        resource.setrlimit(which, value)
-                    except (ValueError, OSError):
-                        pass  # above this process's hard limit: keep the zygote's
-                _become(request)
-            reply = {"pid": pid}
-        conn.sendall((json.dumps(reply) + "\n").encode())
-    except (OSError, ValueError, AttributeError):  # a client that went or sent nonsense
-        pass
-
-
-def _unlike(peer: int) -> str | None:
-    """Why a process forked here would not be what `peer` would start itself: it runs in another
-    namespace or cgroup (another network namespace, a container); None where alike."""
-    for kind in NAMESPACES:
-        try:
-            if os.readlink(f"/proc/{peer}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
-                return f"another {kind} namespace"
-        except OSError:
-            continue
-    try:
-        with open(f"/proc/{peer}/cgroup") as theirs, open("/proc/self/cgroup") as ours:
-            return "another cgroup" if theirs.read() != ours.read() else None
-    except OSError:
-        return None
-
-
-def _limits_of(peer: int) -> dict[int, tuple[int, int]]:
-    """`peer`'s resource limits, which what it starts would inherit (a memory limit, say)."""
-    found = {}
-    for name in dir(resource):
-        if name.startswith("RLIMIT_"):
-            try:
-                found[getattr(resource, name)] = resource.prlimit(peer, getattr(resource, name))
-            except (OSError, ValueError, AttributeError):
-                pass
-    return found
 
 
 def start_shared(python: str = sys.executable,
@@ -321,7 +56,7 @@ def start_shared(python: str = sys.executable,
     stdin is closed) under `python`; returns it and its socket, for `SOCKET_ENV` in the clients'
     environment. Standard library only, so that course.py can load this file before any
     dependency is installed."""
-    proc = subprocess.Popen([str(python), os.path.abspath(__file__), "--shared"],
+    proc = subprocess.Popen([str(python), SERVER, "--shared"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             start_new_session=True, text=True)
     line = proc.stdout.readline()
@@ -341,7 +76,8 @@ def stop() -> None:
 
 def end(proc: subprocess.Popen) -> None:
     """Close a zygote's pipe (it exits), then end it by PID if it has not."""
-    # Not at the top: course.py loads this file by path with the system's Python (see above).
+    # Not at the top: course.py loads this file by path with the system's Python, which has
+    # neither psutil nor the package.
     from course_lib.processes import end_processes, record
 
     try:
@@ -356,7 +92,7 @@ def _started() -> subprocess.Popen:
     if _zygote is None or _zygote.poll() is not None:
         # run as a script, not with -m: that would import course_lib.cluster (and read the
         # environment of the moment) into every engine
-        _zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
+        _zygote = subprocess.Popen([sys.executable, SERVER],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    start_new_session=True, text=True)
     return _zygote
@@ -416,7 +152,3 @@ def ask_shared(request: dict, timeout: float = START_TIMEOUT,
 
 
 atexit.register(stop)
-
-if __name__ == "__main__":
-    sys.path[0] = os.getcwd()  # as `python -m` would have it, not this file's folder
-    serve_shared() if sys.argv[1:] == ["--shared"] else serve()

@@ -1,7 +1,8 @@
 """The catalogue of exercises: what each learner's function is called with and must return.
 
-Each lesson registers its exercises in `course_lib/course/grading/exercises/lessonNN.py`; learners'
-check cells and the batch grader both look them up here, so a notebook cannot change them.
+Each lesson registers its exercises in `course_lib/course/grading/exercises/lessonNN.py` (or the
+package `lessonNN/`, a module per part); learners' check cells and the batch grader both look
+them up here, so a notebook cannot change them.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class Exercise:
 
     The expected value of a case is `case.expected` if given, else `reference(*args, **kwargs)`.
     A lesson's references live apart from its declaration, in
-    `course_lib/course/grading/references/lessonNN.py`, named here as "lessonNN:function" and imported
-    only where the judge runs: the processes that run a submission (its kernel, its engines) are
-    given a package without them, so no answer cell can compute what the judge expects
+    `course_lib/course/grading/references/lessonNN.py` (or the package `lessonNN/`), named here as
+    "lessonNN:function" and imported only where the judge runs: the processes that run a
+    submission (its kernel, its engines) are given a package without them, so no answer cell
+    can compute what the judge expects
     (computed by the judge, with RANK / WORLD_SIZE substituted per rank for distributed
     exercises: there it must not communicate). The learner's value is `fn(*args, **kwargs)`, or
     `harness(fn, *args, **kwargs)` when the function is tested through a wrapper (for example

@@ -43,7 +43,9 @@ def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
     return found
 
 
-_LESSON_FILE = re.compile(r"course_lib/course/grading/(?:exercises|references)/(lesson\w+)\.py$")
+# A lesson's file, or a module of its package (`exercises/lesson08/zero.py`).
+_LESSON_FILE = re.compile(
+    r"course_lib/course/grading/(?:exercises|references)/(lesson\w+)(?:/\w+)?\.py$")
 
 
 def catalogue_name(where: list[str]) -> str:

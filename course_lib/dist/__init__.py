@@ -7,10 +7,13 @@ Layers, each its own file, bottom up: `stream` (tensors as bytes, deadlines, wri
 (the frame header and the exact read, lesson 01) and `handshake` (each connection proves the
 secret) -> `ring` (the byte stream a link's frames take: its socket, or a ring in shared memory) -> `shm` (large payloads to a
 rank on this machine) -> `work` (an operation in flight), `matching` (which receive a message
-fills), `sender` and `receiver` (the two halves of a link) -> `peer` (one link; how `send`
-travels) -> `transport` (the mesh of links) -> `group` (ranks, sub-groups, set-up) -> `p2p`
-and `collectives` (the API, the algorithms lessons 02a-02b teach), `tuned` (the all_reduce
-algorithms lesson 10 adds, and the choice "auto" makes), `symmetric` (buffers every rank maps,
+fills), `sender` and `receiver` (the two halves of a link; `frame_reader` reads the
+receiver's frames) -> `peer` (one link; how `send` travels) -> `transport` (the mesh of
+links) -> `process_group` (a group: its members, its point-to-point calls, a collective
+call) -> `group` (ranks, sub-groups, set-up) -> `p2p` and `collectives` (the API, the
+algorithms lessons 02a-02b teach; the rooted ones in `rooted`, what they are all written
+with in `collective_parts`), `tuned` (the all_reduce algorithms lesson 10 adds, and the
+choice "auto" makes), `symmetric` (buffers every rank maps,
 read in place by all_reduce, and each group's staging buffer for small all_reduces); beside
 them `flight`, each group's record of its collectives, and `diagnosis` (lesson 09b: each
 rank's verdict when one fails). In

@@ -14,208 +14,42 @@ group's own point-to-point calls:
 - all_reduce: "naive" (through rank 0), "ring" (reduce-scatter, then all-gather) and "tree"
   (recursive doubling, extra ranks folded in and out), plus what `course_lib.dist.tuned`
   adds in lesson 10 (Rabenseifner, shared memory, and the choice "auto" makes).
+
+Here: the ring's two halves and the collectives on them (all_gather, reduce_scatter), all_reduce
+and its algorithms, and barrier; beside it, `rooted` (broadcast, reduce, scatter, gather) and
+`collective_parts` (what they are all written with), whose names are importable from here too.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from course_lib.dist import tuned
+from course_lib.dist.collective_parts import (_average, _flat, _run, _wait, _write_back,
+                                              check_list, check_op, reduce_, reducer)
+# Reached here by the tests (test_dist_faults swaps a reduction).
+from course_lib.dist.collective_parts import _REDUCERS  # noqa: F401
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
+from course_lib.dist.rooted import broadcast, gather, reduce, scatter
 # Lesson 10's names, imported from here by lesson 10 and the tests: course_lib.dist.tuned.
 from course_lib.dist.tuned import (ALGORITHMS, AUTO_TREE_MAX_BYTES, set_all_reduce_table,
                                    table_choice)
 from course_lib.dist.work import Work
-
-SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
-
-
-def _run(group: ProcessGroup | None, name: str, async_op: bool,
-         body: Callable[[ProcessGroup, int], None],
-         tensor: torch.Tensor | None = None,
-         result: Sequence[torch.Tensor] | None = None,
-         algorithm: str | None = None) -> Work | None:
-    """Run `body(group, tag)` now, or on the group's worker thread when `async_op`. The
-    group's flight recorder notes the call, described by `tensor`'s dtype and shape; the
-    Work's future holds `result` (default: `tensor`) when it is done."""
-    g = resolve(group, name)
-    call = g.collective(name, tensor)  # its tag is taken in call order: every rank agrees
-    call.entry.algorithm = algorithm
-    if async_op:
-        if result is None:
-            result = [] if tensor is None else [tensor]
-        return g.submit(lambda: call.run(body), name, result)
-    call.run(body)
-    return None
-
-
-def check_op(op) -> ReduceOp:
-    """Our ReduceOp, also accepting torch.distributed.ReduceOp.SUM etc. by name."""
-    if isinstance(op, ReduceOp):
-        return op
-    name = str(op).rsplit(".", 1)[-1].upper()
-    if name in ReduceOp.__members__:
-        return ReduceOp[name]
-    raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
-
-
-# In place, by op. Tensor methods themselves where they fit: this runs for every message a
-# reduction receives. On bool, add_ is logical or and mul_ logical and (as in NCCL).
-_REDUCERS = {ReduceOp.SUM: torch.Tensor.add_, ReduceOp.AVG: torch.Tensor.add_,  # AVG divides last
-             ReduceOp.PRODUCT: torch.Tensor.mul_,
-             ReduceOp.MAX: lambda acc, other: torch.maximum(acc, other, out=acc),
-             ReduceOp.MIN: lambda acc, other: torch.minimum(acc, other, out=acc)}
-
-
-def reduce_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
-    """acc = acc (op) other, in place (AVG sums; the caller divides at the end)."""
-    _REDUCERS[op](acc, other)
-
-
-def _average(t: torch.Tensor, n: int, op: ReduceOp) -> None:
-    """AVG's final division; integers round down (floor), as `sum // n` does."""
-    if op is ReduceOp.AVG and n > 1:
-        if t.is_floating_point() or t.is_complex():
-            t.div_(n)
-        else:
-            t.copy_(torch.div(t, n, rounding_mode="floor"))
-
-
-def reducer(op: ReduceOp) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """`combine(dst, src)` for a receive that reduces into `dst` instead of copying."""
-    return _REDUCERS[op]
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D contiguous view of `t` (a copy only if `t` is not contiguous; see `_write_back`)."""
-    flat = t.detach() if t.requires_grad else t  # in-place ops on a leaf that needs grad fail
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat if flat.dim() == 1 else flat.view(-1)
-
-
-def _write_back(t: torch.Tensor, flat: torch.Tensor) -> None:
-    if flat is not t and (flat.data_ptr() != t.data_ptr() or not t.is_contiguous()):
-        t.copy_(flat.view(t.shape))
-
-
-def _segments(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    seg = max(1, SEGMENT_BYTES // flat.element_size())
-    return (flat,) if flat.numel() <= seg else flat.split(seg)
-
-
-def _wait(works: Sequence[Work]) -> None:
-    for w in works:
-        w.wait()
 
 __all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "reducer",
     "broadcast", "reduce", "check_list", "gather", "scatter", "ring_reduce_scatter_",
     "ring_all_gather_", "all_gather", "reduce_scatter", "all_reduce", "table_choice",
     "set_all_reduce_table", "barrier"]
 
-
-def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
-              async_op: bool = False, *, algorithm: str = "tree") -> Work | None:
-    """Copy rank `src`'s tensor to every rank: "naive" (src sends p-1 times) or binomial "tree"."""
-    if algorithm not in ("naive", "tree"):
-        raise ValueError(f"broadcast algorithm must be 'naive' or 'tree', got {algorithm!r}")
-    name = f"broadcast({algorithm})"
-
-    def body(g: ProcessGroup, tag: int) -> None:
-        p, root = g.size, g.group_rank(src, "src")
-        vrank = (g.rank - root) % p
-        if algorithm == "naive":
-            if vrank == 0:
-                _wait([g.isend(tensor, i, tag, name) for i in range(p) if i != root])
-            else:
-                g.recv(tensor, root, tag, name)
-            return
-        mask = 1
-        while mask < p:  # receive from the parent: clear our lowest set bit
-            if vrank & mask:
-                g.recv(tensor, (vrank - mask + root) % p, tag, name)
-                break
-            mask <<= 1
-        mask >>= 1
-        sends = []
-        while mask > 0:  # then send to the children below that bit
-            if vrank + mask < p:
-                sends.append(g.isend(tensor, (vrank + mask + root) % p, tag, name))
-            mask >>= 1
-        _wait(sends)
-
-    return _run(group, "broadcast", async_op, body, tensor)
+SEGMENT_BYTES = 1024 * 1024  # pipelining unit for large messages (gloo also uses 1 MiB)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
-           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Reduce onto rank `dst` along a binomial tree; other ranks' tensors are left unchanged."""
-    op = check_op(op)
-    name = "reduce"
-
-    def body(g: ProcessGroup, tag: int) -> None:
-        p, root = g.size, g.group_rank(dst, "dst")
-        vrank = (g.rank - root) % p
-        acc = _flat(tensor) if vrank == 0 else tensor.detach().reshape(-1).clone()
-        tmp = torch.empty_like(acc)
-        mask = 1
-        while mask < p:
-            if vrank & mask:
-                g.send(acc, (vrank - mask + root) % p, tag, name)
-                return
-            if vrank + mask < p:
-                g.recv(tmp, (vrank + mask + root) % p, tag, name)
-                reduce_(acc, tmp, op)
-            mask <<= 1
-        _average(acc, p, op)
-        _write_back(tensor, acc)
-
-    return _run(group, name, async_op, body, tensor)
-
-
-def check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
-                what: str) -> None:
-    if tensors is None or len(tensors) != p:
-        raise ValueError(f"{what} must hold one tensor per rank of the group ({p})")
-    for t in tensors:
-        if t.shape != like.shape or t.dtype != like.dtype:
-            raise ValueError(f"{what}: every tensor must be {like.dtype} {list(like.shape)}, "
-                             f"got {t.dtype} {list(t.shape)}")
-
-
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Rank `dst` receives every rank's tensor into gather_list (in group rank order)."""
-    def body(g: ProcessGroup, tag: int) -> None:
-        root = g.group_rank(dst, "dst")
-        if g.rank != root:
-            return g.send(tensor, root, tag, "gather")
-        check_list(gather_list, tensor, g.size, "gather_list")
-        for i, out in enumerate(gather_list):
-            if i == root:
-                out.copy_(tensor)
-            else:
-                g.recv(out, i, tag, "gather")
-
-    return _run(group, "gather", async_op, body, tensor)
-
-
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Rank `src` sends scatter_list[i] to group rank i, which receives it into `tensor`."""
-    def body(g: ProcessGroup, tag: int) -> None:
-        root = g.group_rank(src, "src")
-        if g.rank != root:
-            return g.recv(tensor, root, tag, "scatter")
-        check_list(scatter_list, tensor, g.size, "scatter_list")
-        sends = [g.isend(t, i, tag, "scatter") for i, t in enumerate(scatter_list) if i != root]
-        tensor.copy_(scatter_list[root])
-        _wait(sends)
-
-    return _run(group, "scatter", async_op, body, tensor)
+def _segments(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    seg = max(1, SEGMENT_BYTES // flat.element_size())
+    return (flat,) if flat.numel() <= seg else flat.split(seg)
 
 
 def ring_reduce_scatter_(g: ProcessGroup, chunks: Sequence[torch.Tensor], op: ReduceOp,

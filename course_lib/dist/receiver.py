@@ -6,11 +6,12 @@ yet. A frame's payload goes straight into the posted receive's memory, from the 
 the shared-memory region; a frame nobody asked for is kept by the `TagMatcher`. The common
 case, a blocking receive on a link nobody else reads, whose frame is the next to come, skips
 the request and the matcher altogether (`recv_direct`).
+
+Reading a frame's header and payload off the stream is `FrameReader`'s (`frame_reader`).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -18,12 +19,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from course_lib.dist import ring, shm
+from course_lib.dist import shm
 from course_lib.dist.errors import DistError, ProtocolError
+from course_lib.dist.frame_reader import FrameReader
+from course_lib.dist.frame_reader import log  # noqa: F401 - the link's logger, known by this name
 from course_lib.dist.matching import DONE, FILLING, POSTED, RecvRequest, TagMatcher
 from course_lib.dist.waiting import CountedCondition
-from course_lib.dist.wire import (ABORT_TAG, FLAG_SHM, HEADER, PeerClosed, WireTimeout,
-                                  byte_view, decode_header, flags_of)
+from course_lib.dist.wire import PeerClosed, WireTimeout
 from course_lib.dist.work import What
 from course_lib.i18n import _
 
@@ -31,22 +33,17 @@ if TYPE_CHECKING:
     from course_lib.dist.peer import Peer
     from course_lib.dist.sender import Exchange
 
-log = logging.getLogger("course_lib.dist")
 
-
-class Receiver:
+class Receiver(FrameReader):
     """Reads one peer's frames; the lock guards the matcher, `reading` and the thread's queue."""
 
     def __init__(self, peer: "Peer", sock, region: shm.Region | None):
-        self.peer, self.sock, self.region = peer, sock, region
-        self.stream = (region.ring_stream(sock) if region is not None and region.ring
-                       else ring.SocketStream(sock))
+        super().__init__(peer, sock, region)
         self.lock = threading.Lock()  # the receive lock
         self.cond = CountedCondition(self.lock)  # receives waiting for the reader to finish
         self.queued = threading.Condition(self.lock)  # the receiver thread waits for an irecv
         self.matcher = TagMatcher()
         self.reading = False  # one reader of the socket at a time
-        self._header = memoryview(bytearray(HEADER.size))
         self._queue: deque[RecvRequest] = deque()  # irecvs for the receiver thread
         self._thread: threading.Thread | None = None
 
@@ -141,16 +138,6 @@ class Receiver:
                 req.buffer.copy_(msg)
         req.complete(error)
 
-    def _mismatch(self, name: str, buffer: torch.Tensor, dtype: torch.dtype, shape: tuple,
-                  tag: int) -> DistError | None:
-        if buffer.dtype == dtype and buffer.shape == shape:
-            return None
-        peer = self.peer
-        return peer.error(name, "recv from", _(
-            "message mismatch (tag {tag}): rank {peer} sent {dtype} {shape}, rank {rank} expects "
-            "{want_dtype} {want_shape}", tag=tag, peer=peer.peer_rank, dtype=dtype,
-            shape=list(shape), rank=peer.rank, want_dtype=buffer.dtype,
-            want_shape=list(buffer.shape)))
 
     # --- reading ------------------------------------------------------------------------
 
@@ -202,28 +189,6 @@ class Receiver:
             return
         self._dispatch(frame, name)
 
-    def _read_header(self, deadline: float) -> tuple | None:
-        """The next frame's (tag, dtype, shape, nbytes, via_shm, payload deadline); None if
-        nothing came by `deadline`. An abort frame is read whole and raised as PeerClosed."""
-        try:
-            tag, dtype, shape, nbytes, via_shm = self.stream.recv_parsed(
-                self._header, _parse_header, deadline)
-        except WireTimeout as exc:
-            if exc.received:
-                raise
-            return None
-        if via_shm and self.region is None:
-            raise ProtocolError("shared-memory frame on a link without shared memory")
-        # The sender has started this frame: allow it time to finish (a full timeout if the
-        # reader's own deadline is close; the same deadline saves re-arming it).
-        now = time.monotonic()
-        payload_deadline = deadline if deadline - now > 1.0 else now + self.peer.timeout
-        if tag == ABORT_TAG:
-            text = bytearray(nbytes)
-            self.stream.recv_exact(memoryview(text), payload_deadline)
-            raise PeerClosed("group aborted: " + text.decode("utf-8", "replace"))
-        return tag, dtype, shape, nbytes, via_shm, payload_deadline
-
     def _dispatch(self, frame: tuple, name: str) -> None:
         """Read the payload of a frame whose header was read into the receive posted for its
         tag, or keep it for a receive still to come; a broken stream is fatal."""
@@ -256,41 +221,6 @@ class Receiver:
                 target.complete(self.peer.error(target.what.name, "recv from",
                                                 self.peer.dead or "link lost"))
 
-    def _broken(self, name: str, exc: Exception) -> None:
-        """The stream broke while `name` read it: the link is dead, and the group with it."""
-        if isinstance(exc, WireTimeout):
-            reason = "timed out in the middle of a message"
-        elif isinstance(exc, PeerClosed):
-            reason = self.peer.dead or str(exc)
-        elif isinstance(exc, ProtocolError):
-            log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
-                        self.peer.rank, self.peer.peer_rank, exc)
-            reason = f"malformed frame ({exc})"
-        else:
-            reason = self.peer.dead or f"connection lost ({exc.strerror or exc})"
-        self.peer.fatal(name, "recv from", reason)
-
-    def _read_payload(self, buffer: torch.Tensor | None, nbytes: int, via_shm: bool,
-                      deadline: float, combine: Callable | None = None) -> None:
-        """Read a frame's payload into `buffer` (contiguous), combined into it with `combine`,
-        or drop it if None."""
-        if via_shm:
-            shm.receive(self.region, self.stream, buffer, nbytes, deadline, combine)
-        elif buffer is None:
-            self._drain(nbytes, deadline)
-        elif combine is not None:
-            self.stream.recv_reduce(buffer if buffer.dim() == 1 else buffer.view(-1), combine,
-                                    deadline)
-        else:
-            self.stream.recv_exact(byte_view(buffer), deadline, soon=True)
-
-    def _drain(self, nbytes: int, deadline: float) -> None:
-        """Read and drop a payload nobody can take, so the stream stays in step."""
-        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-        while nbytes:
-            n = min(nbytes, len(scratch))
-            self.stream.recv_exact(scratch[:n], deadline, soon=True)
-            nbytes -= n
 
     def fail(self, reason: str) -> None:
         """Fail every posted receive with `reason` and let the thread end."""
@@ -303,9 +233,3 @@ class Receiver:
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
-
-
-def _parse_header(header: memoryview) -> tuple[int, torch.dtype, tuple, int, bool]:
-    """decode_header's (tag, dtype, shape, nbytes), and whether the payload comes through
-    shared memory."""
-    return (*decode_header(header), bool(flags_of(header) & FLAG_SHM))

@@ -9,53 +9,40 @@ values, comparison and points are computed here (`judge`), never in the kernel; 
 printed is read and nothing it wrote is unpickled. Every wait is bounded; the kernel runs under
 memory and file-size limits in a scratch folder, and it and everything it started (escaped
 double-forks included: `containment`) are ended by PID, whatever happened.
+
+The parts: `kernel_session` (the kernel, its limits and its process tree) and `grades` (the
+results files, and the rows an interrupted run left).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellTimeoutError, DeadKernelError
-from nbclient.util import run_sync
 
-from course_lib.cluster import zygote
 from course_lib.course.grading import containment, judge, plain, rebuild, sandbox
 from course_lib.course.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
+from course_lib.course.grading.grades import FIELDS, Results, _previous, _row, write_results
+from course_lib.course.grading.kernel_session import (FILE_LIMIT, MEMORY_LIMIT, PROBE_SECONDS,
+                                                      TREE_POLL_SECONDS, KernelSession, Limits)
 from course_lib.course.grading.learner import GRADING_ENV
 from course_lib.i18n import LANG_ENV, _, language, language_of
 from course_lib.course.overlay import HOME_ENV, USE_ENV
-from course_lib.processes import ProcessSet
 from course_lib.course.paths import ROOT
 
-FIELDS = ("student", "exercise", "points", "max_points", "reason", "notebook")
-PROBE_SECONDS = 15      # a kernel that cannot run `pass` in this long is killed
+__all__ = ["FIELDS", "PROBE_SECONDS", "CLUSTER_START_SECONDS", "TREE_POLL_SECONDS", "SOURCE",
+           "MEMORY_LIMIT", "FILE_LIMIT", "Limits", "Submission", "collect", "lesson_of",
+           "KernelSession", "grade_submission", "Results", "write_results", "grade_all"]
+
 CLUSTER_START_SECONDS = 90  # allowance for the grader's own cluster (distributed exercises)
-TREE_POLL_SECONDS = 0.2
 SOURCE = ROOT / "solutions"  # the instructor's, in the repo
-MEMORY_LIMIT = 8 * 2**30  # bytes of address space per kernel process (and each it starts)
-FILE_LIMIT = 2**30        # bytes of any one file a kernel writes
-
-
-@dataclass(frozen=True)
-class Limits:
-    """How long and how much a submission may take."""
-
-    notebook_timeout: float = 600.0
-    exercise_timeout: float | None = None
-    memory: int = MEMORY_LIMIT
-    file_size: int = FILE_LIMIT
 
 
 @dataclass(frozen=True)
@@ -95,104 +82,6 @@ def lesson_of(path: Path, nb: nbformat.NotebookNode | None, override: str | None
     return meta if meta in known else None
 
 
-def _row(student: str, path: Path, exercise: str, points: float, max_points: float,
-         reason: str) -> dict:
-    return {"student": student, "exercise": exercise, "points": points,
-            "max_points": max_points, "reason": reason, "notebook": str(path)}
-
-
-class KernelSession:
-    """A fresh kernel for one submission; `close()` ends it and its process tree by PID."""
-
-    def __init__(self, nb: nbformat.NotebookNode, cwd: Path):
-        self.client = NotebookClient(nb, kernel_name="python3", allow_errors=True,
-                                     interrupt_on_timeout=False, shutdown_kernel="graceful",
-                                     resources={"metadata": {"path": str(cwd)}})
-        self.cwd = cwd
-        self.pid: int | None = None
-        self.tree = ProcessSet()  # the kernel and everything it starts
-        self._closing = threading.Event()
-        self._started = 0.0
-
-    def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits()) -> None:
-        """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
-        sockets in the folder `sockets`; in a PID namespace of its own where Linux allows."""
-        from jupyter_client.kernelspec import KernelSpecManager
-
-        name = containment.contained_kernel(sockets / "kernels")
-        if name is not None:
-            self.client.kernel_name = name
-        self.client.km = self.client.create_kernel_manager()
-        if name is not None:
-            self.client.km.kernel_spec_manager = KernelSpecManager(
-                kernel_dirs=[str(sockets / "kernels")])
-        # A submission's engines are forked inside its containment (limits, this subreaper),
-        # by its kernel's own zygote, never by a zygote shared with anything else.
-        env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
-        # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
-        self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
-        self._started = time.time() - 1.0  # create_time is rounded; a second of slack
-        self.client.start_new_kernel(env=env, cwd=str(self.cwd),
-                                     preexec_fn=containment.limits(limits.memory, limits.file_size))
-        self.pid = self.client.km.provisioner.pid
-        self._note()
-        # Keep noting the kernel's descendants: if the kernel dies, they are re-parented to us.
-        threading.Thread(target=self._watch_tree, daemon=True, name="course-grade-tree").start()
-        self.client.start_new_kernel_client()
-
-    def _note(self) -> None:
-        self.tree.add(self.pid)
-        for child in containment.adopted_since(self._started):
-            self.tree.add(child)
-
-    def _watch_tree(self) -> None:
-        while not self._closing.wait(TREE_POLL_SECONDS):
-            self._note()
-
-    def run(self, cell: nbformat.NotebookNode, index: int, timeout: float) -> str:
-        """Execute one cell: "ok" (errors included), "timeout" or "dead"."""
-        self.client.timeout = max(1, math.ceil(timeout))
-        try:
-            self.client.execute_cell(cell, index)
-            return "ok"
-        except CellTimeoutError:
-            return "timeout"
-        except DeadKernelError:
-            return "dead"
-
-    def run_code(self, source: str, timeout: float) -> tuple[str, nbformat.NotebookNode]:
-        """Append a cell with `source` to the notebook and run it."""
-        cell = nbformat.v4.new_code_cell(source)
-        self.client.nb.cells.append(cell)
-        return self.run(cell, len(self.client.nb.cells) - 1, timeout), cell
-
-    def recover(self) -> bool:
-        """After a timeout: interrupt the kernel and check it answers again."""
-        try:
-            run_sync(self.client.km.interrupt_kernel)()
-        except Exception:  # noqa: BLE001 - a dead kernel fails the probe below
-            pass
-        # Fresh channels: the timed-out cell's reply and outputs must not reach later cells.
-        self.client.kc.stop_channels()
-        self.client.kc = None
-        self.client.start_new_kernel_client()
-        return self.run_code("pass", PROBE_SECONDS)[0] == "ok"
-
-    def close(self) -> list[int]:
-        """Shut the kernel down (its atexit stops clusters), then kill whatever is left.
-        Returns the PIDs that had to be killed."""
-        if self.client.km is None:
-            return []
-        self._note()
-        self._closing.set()
-        try:
-            self.client._cleanup_kernel()  # nbclient's own shutdown + cleanup
-        except Exception:  # noqa: BLE001 - ending the tree below is the backstop
-            pass
-        killed = self.tree.end(grace=5.0)
-        for child in containment.adopted_since(self._started):  # forked while we ended the rest
-            self.tree.add(child)
-        return killed + self.tree.end(grace=2.0)
 
 
 def _check_source(ex: Exercise, out: Path, time_limit: float | None) -> str:
@@ -346,68 +235,6 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
         # ended here: nothing of this submission runs when its row is written.
         containment.end_marked(token)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _digest(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-class Results:
-    """grades.csv and grades.json, rewritten whole and atomically from the rows held here after
-    each submission (a reader never sees half a file); a change made by anyone else between two
-    writes is noticed and undone."""
-
-    NAMES = ("grades.csv", "grades.json")
-
-    def __init__(self, out_dir: Path, rows: list[dict]):
-        self.dir, self.rows = Path(out_dir), list(rows)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._written: dict[str, str | None] = {}
-
-    def tampered(self) -> bool:
-        """True when a results file differs from what this grader last wrote."""
-        return bool(self._written) and any(_digest(self.dir / n) != d
-                                           for n, d in self._written.items())
-
-    def write(self) -> None:
-        import csv
-        import io
-
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self.rows)
-        for name, text in zip(self.NAMES, (buf.getvalue(), json.dumps(self.rows, indent=1) + "\n")):
-            tmp = self.dir / f".{name}.{secrets.token_hex(8)}.tmp"
-            # a new file of ours (never one planted there, nor a link out of the folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                         0o644)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, self.dir / name)
-            self._written[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def write_results(rows: list[dict], out_dir: Path) -> None:
-    """Rewrite grades.csv and grades.json atomically from `rows`."""
-    Results(out_dir, rows).write()
-
-
-def _previous(out: Path) -> list[dict]:
-    """The rows an interrupted run left, checked field by field (a row per exercise)."""
-    try:
-        rows = json.loads((out / "grades.json").read_text())
-    except FileNotFoundError:
-        return []
-    except ValueError as exc:
-        raise ValueError(f"cannot resume: {out / 'grades.json'} is not valid JSON ({exc})")
-    if not (isinstance(rows, list) and all(isinstance(r, dict) and set(r) == set(FIELDS)
-                                           for r in rows)):
-        raise ValueError(f"cannot resume: {out / 'grades.json'} does not hold course-grade rows")
-    return rows
 
 
 def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,

@@ -21,7 +21,8 @@ from course_lib.course.grading import rebuild
 from course_lib.course.exports import stub_modules
 from course_lib.course.paths import PACKAGE
 
-JUDGE_SIDE = ("grading/references", "grading/expected.json")  # never where a submission runs
+# never where a submission runs
+JUDGE_SIDE = ("course/grading/references", "course/grading/expected.json")
 SKIP = ("__pycache__", ".egg-info")
 
 
