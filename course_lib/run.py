@@ -1,0 +1,335 @@
+"""The capstone's run on one rank, all but its step: the configuration, the data, this rank's
+part of the model and its wrappers (lesson 11b sketches it; no exercise changes it).
+
+`RunBase(cfg, dist)` builds, on every rank of a process group, what one rank holds: the layout
+(`course_lib.layout.ParallelLayout`), the whole GPT from one seed, cut to this rank's part
+(tensor parallelism applied, then `stage_layers`), the data-parallel wrapper (lesson 04's DDP or
+lesson 08's ZeRO-1 / ZeRO-3, or PyTorch's own with `stack="torch"`), the optimizer, the loss
+scaler and, with pp > 1, lesson 07's 1F1B schedule. `forward_backward(x, y)` leaves this step's
+gradients in `.grad`; what happens next (the reductions each axis needs, the scaler, the
+optimizer's step) is the lesson's exercise, `course_lib.train.train_step`, which `Run` adds.
+
+What a step reads here: `stage`, `layout`, `dist`, `optimizer`, `scaler`, `tied_weight` and
+`tied_group` (pp > 1: this rank's copy of the tied embedding and the group of its two copies),
+`dp_reduced_in_backward` (a wrapper already averaged the gradients over dp) and
+`stepped_tensors()` (what the optimizer updates).
+
+The run's numbers (`TrainConfig`, `check_config`, `learning_rate`) are in `course_lib.run_config`
+and its data (`TextWindows`, `split_text`, `batches`) in `course_lib.run_data`; both are
+importable from here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.backend import default_dist
+from course_lib.comm_hooks import bf16_compress_hook
+from course_lib.ddp import DistributedDataParallel
+from course_lib.gpt import (Block, CharTokenizer, GPT, load_text, parallelize_blocks,
+                            set_activation_checkpointing)
+from course_lib.layout import ParallelLayout, stage_layers
+from course_lib.pipeline import PipelineStage, Schedule1F1B
+from course_lib.precision import DynamicLossScaler, Precision, precision_forward
+from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
+from course_lib.run_config import TrainConfig, check_config, learning_rate
+from course_lib.run_data import TextWindows, batches, split_text
+from course_lib.tensor_parallel import shard
+from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
+
+__all__ = ["TrainConfig", "check_config", "learning_rate", "TextWindows", "split_text", "batches",
+           "tied_groups", "RunBase", "wrap", "pipeline_schedule", "parallelize_blocks_torch",
+           "wrap_torch", "shard_units", "make_optimizer"]
+
+
+def tied_groups(layout: ParallelLayout) -> Any:
+    """For pp > 1, the group of the first and last stage that share the tied embedding
+    (every rank creates every such group, in the same order); None otherwise."""
+    if layout.pp == 1:
+        return None
+    mine = None
+    for dp_rank in range(layout.dp):
+        for tp_rank in range(layout.tp):
+            ranks = [layout.rank_of(pp=p, dp=dp_rank, tp=tp_rank) for p in (0, layout.pp - 1)]
+            group = layout.dist.new_group(ranks)
+            if layout.rank in ranks:
+                mine = group
+    return mine
+
+
+# --- one rank's part of the run ------------------------------------------------------------------
+
+class RunBase:
+    """Everything one rank holds for a run: its layout, its part of the model, the optimizer.
+    A subclass adds `step(x, y) -> (loss, skipped)` (lesson 11b's `train_step`)."""
+
+    def __init__(self, cfg: TrainConfig, dist: Any = None):
+        self.cfg, self.dist = cfg, default_dist(dist)
+        check_config(cfg, self.dist.get_world_size())
+        self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, dist=self.dist)
+        self.tied_group = tied_groups(self.layout)
+        c = self.layout.coords
+        text = load_text(cfg.text)
+        self.tokenizer = CharTokenizer(text)
+        train_ids, self.val_ids = split_text(self.tokenizer.encode(text), cfg.val_fraction)
+        dataset = TextWindows(train_ids, cfg.block_size)
+        self.data = batches(dataset, cfg.batch_size // cfg.dp, cfg.dp, c["dp"], cfg.seed)
+        torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its part
+        self.model = GPT(cfg.model_config(self.tokenizer.vocab_size))
+        set_activation_checkpointing(self.model, cfg.checkpoint_activations)
+        if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
+            parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
+        self.stage = stage_layers(self.model, cfg.pp, c["pp"])
+        self.is_first, self.is_last = c["pp"] == 0, c["pp"] == cfg.pp - 1
+        self.dp_reduced_in_backward = False  # set by the wrapper that averages over dp
+        self.module, self.optimizer = (wrap_torch if cfg.stack == "torch" else wrap)(self)
+        self.scaler = (DynamicLossScaler(cfg.init_scale, cfg.growth_interval)
+                       if cfg.precision == "fp16" else None)
+        self.vocab_size = self.tokenizer.vocab_size
+        if cfg.pp > 1:  # built once: a schedule resets its own state at every step
+            self.schedule = pipeline_schedule(self)
+        self.steps_done, self.memory = 0, {}
+        self.after_backward: Callable[["RunBase"], None] | None = None
+        self.optimizer.register_step_post_hook(self._measure_memory)
+
+    def _measure_memory(self, *_: Any) -> None:
+        """After the first optimizer step, before its gradients are freed: the steady state's
+        bytes (parameters, gradients and Adam's moments all exist)."""
+        if not self.memory:
+            self.memory = state_bytes(self.stage, self.optimizer)
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """With pp > 1, this rank's copy of the tied embedding (the first stage's token
+        embedding, the last stage's head); None on other ranks and with pp = 1 (one parameter,
+        used twice: autograd already adds its two gradients)."""
+        if self.cfg.pp == 1 or not (self.is_first or self.is_last):
+            return None
+        return self.stage[0].wte.weight if self.is_first else self.stage[-1].weight
+
+    def state(self, init: bool = False) -> dict[str, Any]:
+        """What a checkpoint holds of this rank (lesson 09): its part of the model and the
+        optimizer, keyed by its stage and tp rank (dp replicas write theirs once), the step and
+        the loss scale. Views: loading into it restores the run in place."""
+        model, optim = get_state_dict(self.stage, self.optimizer, init_state=init)
+        where = f"pp{self.layout.coords['pp']}.tp{self.layout.coords['tp']}"
+        scaler = [self.scaler.scale, self.scaler.growth_tracker] if self.scaler else None
+        return {"model": {where: model}, "optim": {where: optim}, "step": self.steps_done,
+                "scaler": scaler}
+
+    def resume(self, manager: CheckpointManager) -> int:
+        """Load the newest whole checkpoint, if any, and skip the batches it had trained on;
+        the step to go on from."""
+        if not checkpoints(manager.root):
+            return 0  # a fresh start (before any optimizer state is made up to load into)
+        state = self.state(init=True)
+        if manager.load_latest(state) is None:
+            raise RuntimeError(f"{manager.root}: no checkpoint there passed its checks: "
+                               + "; ".join(manager.skipped))
+        where = next(iter(state["model"]))
+        set_state_dict(self.stage, self.optimizer, state["model"][where], state["optim"][where])
+        if self.scaler:
+            self.scaler.scale, self.scaler.growth_tracker = state["scaler"]
+        self.steps_done = state["step"]
+        for _ in range(self.steps_done):  # the sampler's order is a function of seed and epoch
+            next(self.data)
+        return self.steps_done
+
+    def sample(self, n: int) -> str:
+        """`n` characters sampled after a newline, the same on every rank (TP ranks compute
+        together, each drawing from the same seeded generator)."""
+        start = torch.tensor([[self.tokenizer.index["\n"]]])
+        ids = self.model.generate(start, n, generator=torch.Generator().manual_seed(self.cfg.seed))
+        return self.tokenizer.decode(ids[0, 1:])
+
+    @torch.no_grad()
+    def evaluate(self, batch: int = 32) -> float:
+        """The mean loss per character over the held-out windows, the same on every rank
+        (pp = 1): each dp rank takes an equal share of them, one all-reduce sums."""
+        windows = TextWindows(self.val_ids, self.cfg.block_size)
+        dp, mine = self.cfg.dp, self.layout.coords["dp"]
+        per_rank = len(windows) // dp  # equal shares: ZeRO-3 gathers in lockstep
+        ids = range(mine * per_rank, (mine + 1) * per_rank)
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, per_rank, batch):
+            xs, ys = zip(*(windows[j] for j in ids[i:i + batch]))
+            logits = precision_forward(self.stage, (torch.stack(xs),), self.cfg.precision)
+            total[0] += F.cross_entropy(logits.reshape(-1, self.vocab_size),
+                                        torch.stack(ys).reshape(-1), reduction="sum").double()
+            total[1] += torch.stack(ys).numel()
+        if dp > 1:
+            self.dist.all_reduce(total, group=self.layout.group("dp"))
+        return (total[0] / total[1]).item()
+
+    def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of a micro-batch, times the loss scale with fp16."""
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab_size), target.reshape(-1))
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer updates (and whose .grad the scaler unscales): the parameters,
+        or ZeRO-1's shards."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return [b.shard for b in self.optimizer.buckets]
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """This rank's gradients of its share of the step's batch in .grad (scaled with fp16;
+        reduced over dp already if `dp_reduced_in_backward`); the local mean loss on the last
+        stage (scaled with fp16), None on the others."""
+        k = self.cfg.micro_batches
+        if self.cfg.pp > 1:
+            losses: list[torch.Tensor] = []
+            if self.is_first:
+                self.schedule.step(x)
+            elif self.is_last:
+                self.schedule.step(target=y, losses=losses)
+            else:
+                self.schedule.step()
+            local = torch.stack(losses).mean().detach() if self.is_last else None
+        else:
+            local = torch.zeros(())
+            for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                skip = i < k - 1 and hasattr(self.module, "no_sync")
+                with self.module.no_sync() if skip else contextlib.nullcontext():
+                    loss = self.loss_fn(self.module(xb), yb)
+                    (loss / k).backward()
+                local += loss.detach() / k
+        if self.after_backward is not None:
+            self.after_backward(self)
+        return local
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank holds, for the layout's picture: its coordinates and groups, its
+        layers, its parameters (split by tp or whole) and its optimizer state."""
+        sharded = {id(p) for m in self.stage.modules() if type(m).__name__ in (
+            "ColumnParallelLinear", "RowParallelLinear") for n, p in m.named_parameters()
+            if not (n == "bias" and type(m).__name__ == "RowParallelLinear")}
+        params = list(self.stage.parameters())
+        layers = []
+        for m in self.stage:
+            name = type(m).__name__
+            if name == "Block":
+                index = next(i for i, b in enumerate(self.model) if b is m) - 1
+                name = f"block {index}"
+            layers.append(name.lower() if name != "Head" else "head (tied)")
+        zero_share = {0: 1, 1: self.cfg.dp, 3: self.cfg.dp}[self.cfg.zero]
+        return {"rank": self.layout.rank, "coords": dict(self.layout.coords),
+                "groups": {axis: self.layout.ranks(axis) for axis in ("tp", "dp", "pp")},
+                "layers": layers,
+                "sharded": sum(p.numel() for p in params if id(p) in sharded),
+                "whole": sum(p.numel() for p in params if id(p) not in sharded),
+                "tied": self.tied_weight is not None,
+                "adam state": 8 * sum(p.numel() for p in params) // zero_share,
+                "config": {k: getattr(self.cfg, k) for k in (
+                    "dp", "tp", "pp", "zero", "micro_batches", "batch_size", "block_size",
+                    "n_embd", "n_layer")}, "vocab_size": self.vocab_size}
+
+
+# --- the data-parallel wrappers: the course's and PyTorch's -------------------------------------
+
+def wrap(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The course's components over the data-parallel group: DDP (lesson 04), ZeRO-1 or
+    ZeRO-3 (lesson 08); around them the compute precision."""
+    cfg, dist, group = run.cfg, run.dist, run.layout.group("dp")
+    if cfg.zero == 3:
+        shard_units(run.stage, functools.partial(fully_shard, dist=dist, group=group))
+    module: nn.Module = Precision(run.stage, cfg.precision)
+    optimizer = make_optimizer(cfg, run.stage.parameters(),
+                               functools.partial(ZeroRedundancyOptimizer, dist=dist, group=group))
+    if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
+        module = DistributedDataParallel(module, dist=dist, group=group)
+        if cfg.reduce_dtype == "bf16":
+            module.register_comm_hook(group, bf16_compress_hook)
+    run.dp_reduced_in_backward = cfg.dp > 1 and (cfg.zero > 0 or cfg.pp == 1)
+    return module, optimizer
+
+
+def pipeline_schedule(run: RunBase) -> Any:
+    """1F1B over the pp group: lesson 07's, or torch.distributed.pipelining's (stack='torch')."""
+    cfg, c, group = run.cfg, run.layout.coords, run.layout.group("pp")
+    if cfg.stack == "torch":
+        from torch.distributed import pipelining
+
+        stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, torch.device("cpu"),
+                                         group=group)
+        return pipelining.Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
+    stage = PipelineStage(run.module, c["pp"], cfg.pp, dist=run.dist, group=group)
+    return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
+
+
+def parallelize_blocks_torch(stage: nn.Module, mesh: Any) -> None:
+    """DTensor's tensor parallelism in each block, lesson 06's split: q, k, v and fc1 by
+    columns, out_proj and fc2 by rows."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    tp = mesh.size()
+    for block in stage:
+        if not isinstance(block, Block):
+            continue
+        attn = block.attn
+        # packed rows [q | k | v] put in the order [rank 0's shard | rank 1's | ...] (lesson 06's
+        # q, k, v of its heads), so that ColwiseParallel's even split gives each rank its heads
+        with torch.no_grad():
+            for p in (attn.qkv.weight, attn.qkv.bias):
+                p.copy_(torch.cat([shard(p, 0, r, tp, parts=3) for r in range(tp)]))
+        attn.local_heads = attn.num_heads // tp
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
+                                         "attn.out_proj": RowwiseParallel(),
+                                         "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+
+
+def wrap_torch(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """PyTorch's own parallelism in the same places, for the side-by-side comparison: DDP,
+    ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP (with FSDP2 over dp), and
+    (pipeline_schedule) torch.distributed.pipelining; on torch.distributed."""
+    import torch.distributed as tdist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    cfg = run.cfg
+    if run.dist is not tdist:
+        raise ValueError("stack='torch' needs torch.distributed as the process group")
+    dp_mesh = None
+    if cfg.tp > 1:  # ranks of a tp group are contiguous, as in our layout (pp = 1 here)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_blocks_torch(run.stage, mesh["tp"])
+        dp_mesh = mesh["dp"]
+    if cfg.zero == 3:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        shard_units(run.stage, functools.partial(torch_fully_shard, mesh=dp_mesh))
+    module: nn.Module = Precision(run.stage, cfg.precision)
+    optimizer = make_optimizer(cfg, run.stage.parameters(), TorchZero)
+    if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
+        module = torch.nn.parallel.DistributedDataParallel(module)
+    run.dp_reduced_in_backward = cfg.dp > 1 and cfg.pp == 1
+    return module, optimizer
+
+
+def shard_units(stage: nn.Module, fully_shard_fn: Callable[[nn.Module], Any]) -> None:
+    """ZeRO-3's units, ours or FSDP2's: one per block, then the root, which holds the
+    embedding and its tied head."""
+    for block in list(stage)[1:-1]:
+        fully_shard_fn(block)
+    fully_shard_fn(stage)
+
+
+def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
+                   zero1: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The run's optimizer over `params`: AdamW, or plain SGD, whose step is in proportion to
+    the gradient (AdamW's hardly changes when a gradient is summed instead of averaged); with
+    ZeRO-1, sharded by `zero1(params, optimizer_class, **kwargs)` (ours or torch's)."""
+    if cfg.optimizer == "sgd":
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+    return zero1(params, cls, **kwargs) if cfg.zero == 1 else cls(params, **kwargs)

@@ -1,0 +1,115 @@
+"""The capstone's run as numbers, checked before anything is built: `TrainConfig` (the layout,
+the model, the batch, the numerics; the command line's flags), `check_config` (a ValueError that
+names every number that does not fit the world or the other numbers) and `learning_rate` (the
+schedule: constant, or a linear warm-up then a cosine). Importable from `course_lib.run` too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from course_lib.gpt import GPTConfig
+from course_lib.layout import check_degrees
+from course_lib.precision import PRECISIONS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One run: the layout, the model, the batch and the numerics (the CLI's flags)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0                 # 0: DDP over dp; 1: ZeRO-1; 3: ZeRO-3 (fully_shard)
+    precision: str = "fp32"       # compute dtype under autocast; master weights stay fp32
+    reduce_dtype: str = "fp32"    # "bf16": gradients all-reduced in bf16 (DDP's hook)
+    checkpoint_activations: bool = False
+    steps: int = 20
+    batch_size: int = 16          # the global batch, in sequences
+    micro_batches: int = 1        # per data-parallel rank: accumulation or pipeline micro-batches
+    lr: float = 1e-3
+    lr_schedule: str = "constant"  # "cosine": linear warm-up, then cosine down to lr / 10
+    warmup_steps: int = 0
+    optimizer: str = "adamw"      # "sgd": steps in proportion to the gradient (what tests need)
+    seed: int = 0
+    text: str = "shakespeare"
+    val_fraction: float = 0.1     # the text's last tenth is held out, never trained on
+    eval_every: int = 0           # validation loss before training and every that many steps
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    init_scale: float = 2.0 ** 16  # fp16's loss scaler
+    growth_interval: int = 200
+    checkpoint_dir: str = ""      # lesson 09's checkpoints: resume from the newest whole one
+    checkpoint_every: int = 0     # save every that many steps (0: never)
+    sample: int = 0               # characters sampled from the trained model (pp = 1)
+    sample_every: int = 0         # ... also before training and every that many steps
+    stack: str = "course"         # "torch": torch's DDP, ZeRO, FSDP2, DTensor TP, pipelining
+    progress: bool = False        # a tqdm bar on rank 0 (the command line's)
+    progress_file: str = ""       # rank 0 appends each step's loss here (a notebook's watch)
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, block_size=self.block_size,
+                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    """A ValueError naming the numbers that do not fit, before anything is allocated."""
+    check_degrees(cfg.dp, cfg.tp, cfg.pp, world_size)
+    problems = []
+    if cfg.n_embd % cfg.n_head:
+        problems.append(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    if cfg.n_head % cfg.tp:
+        problems.append(f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}")
+    if cfg.n_layer % cfg.pp:
+        problems.append(f"n_layer={cfg.n_layer} is not divisible by pp={cfg.pp}")
+    if cfg.batch_size % (cfg.dp * cfg.micro_batches):
+        problems.append(f"batch_size={cfg.batch_size} is not divisible by dp={cfg.dp} x "
+                        f"micro_batches={cfg.micro_batches}")
+    if cfg.zero not in (0, 1, 3):
+        problems.append(f"zero={cfg.zero}: choose 0 (DDP), 1 or 3")
+    if cfg.zero and cfg.pp > 1:
+        problems.append(f"zero={cfg.zero} with pp={cfg.pp}: ZeRO runs on layouts without a "
+                        "pipeline here")
+    for name in ("precision", "reduce_dtype"):
+        if getattr(cfg, name) not in PRECISIONS:
+            problems.append(f"{name}={getattr(cfg, name)!r}: choose one of {list(PRECISIONS)}")
+    if cfg.reduce_dtype != "fp32" and (cfg.zero or cfg.pp > 1):
+        problems.append(f"reduce_dtype={cfg.reduce_dtype!r} is DDP's comm hook: it needs "
+                        "zero=0 and pp=1")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        problems.append(f"optimizer={cfg.optimizer!r}: choose 'adamw' or 'sgd'")
+    if cfg.lr_schedule not in ("constant", "cosine"):
+        problems.append(f"lr_schedule={cfg.lr_schedule!r}: choose 'constant' or 'cosine'")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        problems.append(f"val_fraction={cfg.val_fraction}: choose a fraction in [0, 1)")
+    if cfg.stack not in ("course", "torch"):
+        problems.append(f"stack={cfg.stack!r}: choose 'course' or 'torch'")
+    if cfg.stack == "torch" and (cfg.reduce_dtype != "fp32" or cfg.tp > 1 and cfg.pp > 1):
+        problems.append(f"stack='torch' runs tp > 1 or pp > 1, not both (got tp={cfg.tp}, "
+                        f"pp={cfg.pp}), and reduces in fp32")
+    if cfg.stack == "torch" and cfg.tp > 1 and cfg.zero != (3 if cfg.dp > 1 else 0):
+        problems.append(f"stack='torch' with tp={cfg.tp} composes DTensor's TP with FSDP2 over "
+                        f"dp={cfg.dp}: it needs zero={3 if cfg.dp > 1 else 0} (got zero={cfg.zero})")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        problems.append(f"checkpoint_every={cfg.checkpoint_every} needs a checkpoint_dir")
+    if cfg.checkpoint_dir and cfg.stack == "torch":
+        problems.append("checkpoint_dir: checkpoints of torch's wrappers are DCP's job here")
+    if (cfg.sample or cfg.eval_every) and cfg.pp > 1:
+        problems.append("sample and eval_every need the whole model on a rank (pp=1)")
+    if cfg.eval_every and not cfg.val_fraction:
+        problems.append(f"eval_every={cfg.eval_every} needs a val_fraction")
+    if problems:
+        raise ValueError("TrainConfig: " + "; ".join(problems))
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of step `step`: constant, or a linear warm-up over `warmup_steps` and
+    a cosine down to a tenth of `lr` at the last step (nanoGPT's schedule)."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
