@@ -112,7 +112,10 @@ def lab(rest: list[str], env: dict[str, str]) -> int:
     folder = "notebooks" if lang == "en" else f"notebooks/{lang}"
     if any(a.startswith(("--ServerApp.root_dir", "--notebook-dir")) for a in rest):
         folder = None  # the caller's folder (the browser test serves solutions beside lessons)
-    env = dict(env, COURSE_LANG=lang, JUPYTERLAB_SETTINGS_DIR=str(lab_settings(lang)))
+    # The lab's processes start as a lesson does: the learner's components win from their first
+    # import (course_lib.course.overlay), in the kernels and the engines forked for them.
+    env = dict(env, COURSE_LANG=lang, JUPYTERLAB_SETTINGS_DIR=str(lab_settings(lang)),
+               COURSE_LIB_STARTUP="course_lib.course.overlay:install")
     root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers
     where = [f"--ServerApp.root_dir={folder}"] if folder else []
     zygote = shared_zygote(env)

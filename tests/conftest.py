@@ -128,6 +128,8 @@ def shared_zygote():
     from course_lib.cluster import zygote
     from course_lib.course import kernels as kernel_provisioner
 
+    # As in `course.py lab`: what the zygote forks starts as a lesson's process does
+    os.environ.setdefault("COURSE_LIB_STARTUP", "course_lib.course.overlay:install")
     proc, path = zygote.start_shared()
     os.environ[zygote.SOCKET_ENV] = path
     kernel_provisioner.use_in_this_process()  # nbval's and nbclient's kernels

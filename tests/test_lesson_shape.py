@@ -11,7 +11,7 @@ import polib
 import pytest
 
 from course_lib import i18n
-from course_lib import lesson_shape as shape
+from course_lib.course import lesson_shape as shape
 from course_lib.course.catalogue import exercises_for, lessons
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -152,6 +152,7 @@ def test_every_lesson_is_translated_in_full():
 
 FENCE = re.compile(r"```.*?```", re.S)
 CODE_SPAN = re.compile(r"`([^`]+)`")
+THOUSANDS = re.compile(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
 
 
@@ -169,6 +170,9 @@ def test_translations_keep_every_number_and_piece_of_code():
             if entry.obsolete:
                 continue
             en, es = (" ".join(FENCE.sub("", t).split()) for t in (entry.msgid, entry.msgstr))
+            # Thousands grouped as each language writes them (16,384 in English; 16 384 in
+            # Spanish, where a comma would read as a decimal point) are the same number.
+            en, es = (THOUSANDS.sub("", t) for t in (en, es))
             where = f"{po_path.name}, cell {entry.msgctxt}"
             assert set(NUMBER.findall(en)) <= set(NUMBER.findall(es)), where
             spans = {s for s in CODE_SPAN.findall(en) if _code_like(s)}

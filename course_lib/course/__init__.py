@@ -7,13 +7,19 @@
   lessons' experiments; `kernels`: the lab's kernels; `lesson_shape`: a lesson's hour.
 
 Importing this package is what starts a lesson: from then on the learner's components win
-over the reference, here and on every engine of a cluster started later (`overlay.install`).
-A script that imports only the components (`import course_lib.ddp`) never imports it.
+over the reference, in this process and in every process a cluster starts later. A script that
+imports only the components (`import course_lib.ddp`) never imports it.
 """
 
-from course_lib.course.grading.learner import check, grade_function
-from course_lib.course.overlay import install, use
+from course_lib.course import overlay
 
-install()
+overlay.install()  # first: every component imported after this resolves through the overlay
+
+# After the overlay: these import components.
+from course_lib.course import startup  # noqa: E402
+from course_lib.course.grading.learner import check, grade_function  # noqa: E402
+from course_lib.course.overlay import install, use  # noqa: E402
+
+startup.register()
 
 __all__ = ["check", "grade_function", "install", "use"]

@@ -24,10 +24,8 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from course_lib import backend as backends
-from course_lib.cluster import client
 from course_lib.course.exports import STUDENT_HEADER, module_path
 from course_lib.course.learner_package import (HOME_ENV, OVERLAY_HEADER, export, find_notebook,
                                                home, lesson_of, modules_of, not_passed, record)
@@ -153,36 +151,25 @@ def _active() -> bool:
     return (home() / "checks.json").exists() or not all(map(reference_shipped, COMPONENTS))
 
 
-class _Availability(backends.Availability):
-    """The scratch backend in a student release runs on the learner's lesson 01 wire format:
-    written once exported, the default once its checks pass (gloo until then)."""
-
-    def scratch_written(self) -> bool:
-        return reference_shipped("dist.wire") or resolve("dist.wire").mine
-
-    def default(self) -> str:
-        if reference_shipped("dist.wire"):
-            return backends.DEFAULT_BACKEND
-        failing, unchecked = not_passed(lesson_of("dist.wire"))
-        if self.scratch_written() and not (failing or unchecked):
-            return backends.DEFAULT_BACKEND
-        print("process group: gloo until your lesson 01 passes its checks (the scratch "
-              "backend runs on your wire format)", flush=True)
-        return "gloo"
+STARTUP_ENV = "COURSE_LIB_STARTUP"  # "module:function" the processes a lesson starts call first
 
 
 def install() -> None:
-    """Make the learner's components win, here and on every engine a cluster starts from now
-    on: the finder first on `sys.meta_path` (once), components loaded before it resolved again,
-    and the backend rule of a student release. What starts a lesson calls it (importing
-    `course_lib.course`, an engine of a lesson's cluster)."""
+    """Make the learner's components win in this process: the finder first on `sys.meta_path`
+    (once) and the components loaded before it resolved again. Processes started from here on
+    (a cluster's zygote and engines) call it before they import anything (STARTUP_ENV)."""
+    os.environ[STARTUP_ENV] = f"{__name__}:install"
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Finder())
     forget()
-    backends.set_availability(_Availability())
-    if install not in client.STARTUP:
-        client.STARTUP.append(install)
+
+
+def _no_clusters() -> Iterable:
+    return ()
+
+
+live_clusters: Callable[[], Iterable] = _no_clusters  # set by course_lib.course.startup
 
 
 def _resolvable(modules: set[str]) -> dict[str, object]:
@@ -268,7 +255,7 @@ def _apply(choices: dict[str, str], clusters: Iterable | None) -> None:
     spec = _spec(choices)
     _set(spec)
 
-    for cluster in (client._LIVE if clusters is None else clusters):
+    for cluster in (live_clusters() if clusters is None else clusters):
         cluster.run(_set, spec)
 
 
