@@ -22,6 +22,8 @@ definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's buffer c
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import argparse
 import functools
 import json
@@ -33,7 +35,8 @@ import time
 
 from course_lib import mpi
 from course_lib.course.bench import interleave
-from course_lib.course.bench.common import choose, median, slowest_rank
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, choose, median, size_text, slowest_rank
 from course_lib import dist
 from course_lib.spawn import spawn
 from course_lib.dist.collectives import ALGORITHMS
@@ -273,3 +276,22 @@ if __name__ == "__main__":
         _mpi_worker(sys.argv[2])
     else:
         sys.exit("run it as: python -m course_lib.course.bench allreduce ...")
+
+
+TITLE = N_("all_reduce against gloo and MPI")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    """Ours (auto, else our fastest algorithm) against MPI and gloo, size by size."""
+    for n in sorted({r["bytes"] for r in rows}):
+        at = [r for r in rows if r["bytes"] == n]
+        scratch = [r for r in at if r["backend"] == "scratch"]
+        ours = next((r for r in scratch if r["algorithm"] == "auto"), None) or (
+            min(scratch, key=lambda r: r["seconds"]) if scratch else None)
+        if ours is None:
+            continue
+        for backend, limit in (("mpi", 3.0 if n <= 4 * 2 ** 10 else 1.2), ("gloo", 0.5)):
+            other = next((r for r in at if r["backend"] == backend), None)
+            if other:
+                yield Figure(_("ours / {backend} at {size}", backend=backend, size=size_text(n)),
+                             ours["seconds"] / other["seconds"], limit)

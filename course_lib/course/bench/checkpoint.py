@@ -25,9 +25,10 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from course_lib.course.bench.common import choose, finish, median, slowest_rank
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, choose, finish, median, slowest_rank
 from course_lib import checkpoint, dist
 from course_lib.checkpoint import Piece
 from course_lib.cluster import start
@@ -247,3 +248,13 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
         ax.set_title(what.replace("_gbps", " (GB/s, higher is better)"))
     axes[0].legend()
     return finish(fig, path)
+
+
+TITLE = N_("Checkpoints against torch.distributed.checkpoint")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    for r in rows:
+        if r["variant"] == "ours" and "save_vs_dcp" in r:
+            yield Figure(_("world {world}: save / DCP's", world=r["world"]), r["save_vs_dcp"], 1.0)
+            yield Figure(_("world {world}: load / DCP's", world=r["world"]), r["load_vs_dcp"], 1.0)

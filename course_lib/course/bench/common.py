@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import os
 import platform
 import statistics
@@ -116,3 +117,26 @@ def speed_and_state(rows: list[dict], speed: str, speed_label: str, state_label:
     a.invert_yaxis()
     fig.suptitle(title)
     return finish(fig, path)
+
+
+KiB, MiB = 2 ** 10, 2 ** 20
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One line of a run's table: a same-run ratio (or a count), and its target if it has one."""
+
+    what: str
+    value: float | None
+    limit: float | None = None   # met when value <= limit
+    unit: str = "x"
+
+    @property
+    def met(self) -> bool | None:
+        if self.limit is None or self.value is None:
+            return None
+        return self.value <= self.limit
+
+
+def size_text(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB" if n >= KiB else f"{n} B"

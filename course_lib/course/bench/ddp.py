@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from course_lib.course.bench.common import choose, finish, median, slowest_rank
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, choose, finish, median, slowest_rank
 from course_lib import ddp
 from course_lib import comm_hooks
 from course_lib import backend as backends
@@ -75,7 +76,7 @@ def make_mlp(hidden: int, layers: int, seed: int = 0):
 
     torch.manual_seed(seed)
     mods: list[nn.Module] = []
-    for _ in range(layers):
+    for _i in range(layers):
         mods += [nn.Linear(hidden, hidden), nn.ReLU()]
     return nn.Sequential(*mods[:-1])
 
@@ -95,7 +96,7 @@ def make_blocks(hidden: int, layers: int, seed: int = 0):
             return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
     torch.manual_seed(seed)
-    return nn.Sequential(*[Block() for _ in range(layers)])
+    return nn.Sequential(*[Block() for _i in range(layers)])
 
 
 # model -> (builder, default hidden, default layers)
@@ -286,3 +287,17 @@ def plot_sweep(rows: list[dict], path: str | None = None) -> Any:
                  "of gradients")
     ax.legend()
     return finish(fig, path)
+
+
+TITLE = N_("DDP against torch's DDP")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    for r in rows:
+        if r.get("vs_torch_ddp") is not None and not r["variant"].startswith("torch"):
+            limit = 0.9 if r["variant"].startswith("ddp") else None
+            yield Figure(_("{variant} / torch DDP", variant=r["variant"]), r["vs_torch_ddp"],
+                         limit)
+
+
+ZERO_LIMITS = {"zero1": 1.10, "zero2": 1.10, "zero3": 1.4}

@@ -9,10 +9,13 @@ per stage, 1 - busy time / the step's span over all stages; a row reports the me
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import argparse
 import time
 
-from course_lib.course.bench.common import median, slowest_rank
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, median, slowest_rank
 from course_lib.backend import default_dist
 from course_lib.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
 from course_lib.pipeline import Event, bubble_fractions, ideal_bubble
@@ -165,3 +168,13 @@ def plot_gantt(events, ax, title: str = "") -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms (blue: forward, orange: backward; numbers: micro-batch)")
     ax.set_title(title)
+
+
+TITLE = N_("Pipeline schedules: bubble against the model")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    for r in rows:
+        yield Figure(_("{stages} stages, {schedule}, m={m}: bubble - model", stages=r["stages"],
+                       schedule=r["schedule"], m=r["m"]), r["bubble"] - r["ideal_bubble"],
+                     0.1 if r["stages"] == 2 else None, unit="")

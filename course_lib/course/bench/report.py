@@ -10,126 +10,25 @@ the plot. The page holds no date and no anecdote: what was measured, where, and 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from course_lib.i18n import N_, _, language
+from course_lib.i18n import _, language
 from course_lib.course.paths import ROOT
 
 RESULTS = ROOT / "docs" / "bench"
 PAGES = {"en": ROOT / "docs" / "benchmarks.md", "es": ROOT / "docs" / "benchmarks.es.md"}
-KiB, MiB = 2 ** 10, 2 ** 20
 
 
-@dataclass(frozen=True)
-class Figure:
-    """One line of a run's table: a same-run ratio (or a count), and its target if it has one."""
-
-    what: str
-    value: float | None
-    limit: float | None = None   # met when value <= limit
-    unit: str = "x"
-
-    @property
-    def met(self) -> bool | None:
-        if self.limit is None or self.value is None:
-            return None
-        return self.value <= self.limit
-
-
-def _size(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB" if n >= KiB else f"{n} B"
-
-
-def _allreduce(rows: list[dict]) -> Iterable[Figure]:
-    """Ours (auto, else our fastest algorithm) against MPI and gloo, size by size."""
-    for n in sorted({r["bytes"] for r in rows}):
-        at = [r for r in rows if r["bytes"] == n]
-        scratch = [r for r in at if r["backend"] == "scratch"]
-        ours = next((r for r in scratch if r["algorithm"] == "auto"), None) or (
-            min(scratch, key=lambda r: r["seconds"]) if scratch else None)
-        if ours is None:
-            continue
-        for backend, limit in (("mpi", 3.0 if n <= 4 * KiB else 1.2), ("gloo", 0.5)):
-            other = next((r for r in at if r["backend"] == backend), None)
-            if other:
-                yield Figure(_("ours / {backend} at {size}", backend=backend, size=_size(n)),
-                             ours["seconds"] / other["seconds"], limit)
-
-
-def _ddp(rows: list[dict]) -> Iterable[Figure]:
-    for r in rows:
-        if r.get("vs_torch_ddp") is not None and not r["variant"].startswith("torch"):
-            limit = 0.9 if r["variant"].startswith("ddp") else None
-            yield Figure(_("{variant} / torch DDP", variant=r["variant"]), r["vs_torch_ddp"],
-                         limit)
-
-
-ZERO_LIMITS = {"zero1": 1.10, "zero2": 1.10, "zero3": 1.4}
-
-
-def _zero(rows: list[dict]) -> Iterable[Figure]:
-    for r in rows:
-        v = r["variant"]
-        if r.get("vs_our_ddp") is not None and v != "ddp" and not v.startswith("torch"):
-            yield Figure(_("{variant} / our DDP", variant=v), r["vs_our_ddp"],
-                         ZERO_LIMITS.get(v))
-        if r.get("vs_torch") is not None and not v.startswith("torch"):
-            yield Figure(_("{variant} / torch's counterpart", variant=v), r["vs_torch"], 0.9)
-        if r.get("formula_mib"):
-            yield Figure(_("{variant}: state bytes / formula", variant=v),
-                         r["state_mib"] / r["formula_mib"], None)
-
-
-def _train(rows: list[dict]) -> Iterable[Figure]:
-    for r in rows:
-        if r.get("stack") == "ours" and r.get("vs_torch") is not None:
-            yield Figure(_("{layout} {variant} / torch's stack", layout=r["layout"],
-                           variant=r["variant"]), r["vs_torch"], 1.0)
-    for r in rows:
-        if r.get("vs_formula") is not None:
-            yield Figure(_("{variant}: memory / formula", variant=r["variant"]),
-                         r["vs_formula"], None)
-
-
-def _checkpoint(rows: list[dict]) -> Iterable[Figure]:
-    for r in rows:
-        if r["variant"] == "ours" and "save_vs_dcp" in r:
-            yield Figure(_("world {world}: save / DCP's", world=r["world"]), r["save_vs_dcp"], 1.0)
-            yield Figure(_("world {world}: load / DCP's", world=r["world"]), r["load_vs_dcp"], 1.0)
-
-
-def _pipeline(rows: list[dict]) -> Iterable[Figure]:
-    for r in rows:
-        yield Figure(_("{stages} stages, {schedule}, m={m}: bubble - model", stages=r["stages"],
-                       schedule=r["schedule"], m=r["m"]), r["bubble"] - r["ideal_bubble"],
-                     0.1 if r["stages"] == 2 else None, unit="")
-
-
-def _tp(rows: list[dict]) -> Iterable[Figure]:
-    one = next((r for r in rows if r["world"] == 1), None)
-    for r in rows:
-        if one and r["world"] > 1:
-            yield Figure(_("tp={world}: step time / one rank's", world=r["world"]),
-                         r["step_s"] / one["step_s"], None)
-            yield Figure(_("tp={world}: parameter bytes per rank / one rank's", world=r["world"]),
-                         r["param_MiB_per_rank"] / one["param_MiB_per_rank"], None)
-
-
-FIGURES: dict[str, Callable[[list[dict]], Iterable[Figure]]] = {
-    "allreduce": _allreduce, "ddp": _ddp, "zero": _zero, "train": _train,
-    "checkpoint": _checkpoint, "pipeline": _pipeline, "tp": _tp}
-TITLES = {"allreduce": N_("all_reduce against gloo and MPI"),
-          "ddp": N_("DDP against torch's DDP"),
-          "zero": N_("ZeRO and FSDP against our DDP and torch's"),
-          "train": N_("The capstone's layouts against torch's stack"),
-          "checkpoint": N_("Checkpoints against torch.distributed.checkpoint"),
-          "pipeline": N_("Pipeline schedules: bubble against the model"),
-          "tp": N_("Tensor parallelism: time and memory per rank")}
+def _benchmark(name: str) -> Any:
+    """A benchmark's module: its TITLE and its `figures(rows)`."""
+    # Imported by name when a run of it is reported: a benchmark imports torch.distributed,
+    # MPI and the components it times, which the page's build does not otherwise need.
+    return importlib.import_module(f"course_lib.course.bench.{name}")
 
 
 def command(run: dict) -> str:
@@ -163,10 +62,11 @@ def _number(value: float | None, unit: str) -> str:
 def section(stem: str, run: dict) -> list[str]:
     """The page's part for one run: title, command, machine, figures against targets, plot."""
     name = run["benchmark"]
-    lines = [f"## {_(TITLES.get(name, name))} (`{stem}`)", "",
+    module = _benchmark(name)
+    lines = [f"## {_(getattr(module, 'TITLE', name))} (`{stem}`)", "",
              "```bash", command(run), "```", "",
              _("Machine: {machine}.", machine=machine(run.get("meta", {}))), ""]
-    figures = list(FIGURES.get(name, lambda rows: [])(run["rows"]))
+    figures = list(getattr(module, "figures", lambda rows: [])(run["rows"]))
     if figures:
         lines += [f"| {_('figure')} | {_('measured')} | {_('target')} | |",
                   "| --- | ---: | ---: | --- |"]

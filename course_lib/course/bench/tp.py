@@ -7,10 +7,13 @@ process: the parameters per rank fall as 1/world; the time shows what the all-re
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import argparse
 import time
 
-from course_lib.course.bench.common import median, slowest_rank
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, median, slowest_rank
 from course_lib.accumulation import saved_activation_bytes
 from course_lib.backend import default_dist
 from course_lib.tensor_parallel import TensorParallelMLP
@@ -91,3 +94,16 @@ def plot(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+TITLE = N_("Tensor parallelism: time and memory per rank")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    one = next((r for r in rows if r["world"] == 1), None)
+    for r in rows:
+        if one and r["world"] > 1:
+            yield Figure(_("tp={world}: step time / one rank's", world=r["world"]),
+                         r["step_s"] / one["step_s"], None)
+            yield Figure(_("tp={world}: parameter bytes per rank / one rank's", world=r["world"]),
+                         r["param_MiB_per_rank"] / one["param_MiB_per_rank"], None)

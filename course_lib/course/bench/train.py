@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from course_lib.course.bench.common import choose, median, slowest_rank, speed_and_state
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
 from course_lib.train import TrainConfig
 from course_lib.train import Run
 from course_lib.spawn import spawn
@@ -143,3 +144,17 @@ def quick_args(**overrides: Any) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
     return argparse.Namespace(**{**vars(p.parse_args([])), **overrides})
+
+
+TITLE = N_("The capstone's layouts against torch's stack")
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    for r in rows:
+        if r.get("stack") == "ours" and r.get("vs_torch") is not None:
+            yield Figure(_("{layout} {variant} / torch's stack", layout=r["layout"],
+                           variant=r["variant"]), r["vs_torch"], 1.0)
+    for r in rows:
+        if r.get("vs_formula") is not None:
+            yield Figure(_("{variant}: memory / formula", variant=r["variant"]),
+                         r["vs_formula"], None)

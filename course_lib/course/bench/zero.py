@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from course_lib.course.bench.common import choose, median, slowest_rank, speed_and_state
+from course_lib.i18n import N_, _
+from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
 from course_lib import zero
 from course_lib.course.bench.ddp import make_blocks
 from course_lib.ddp import DistributedDataParallel
@@ -161,7 +162,7 @@ def peak(variant: str, args: dict, rank: int) -> float:
     before = _reset_peak()
     model, opt = build(variant, args)
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
-    for _ in range(3):
+    for _i in range(3):
         _step(model, opt, x)
     return (_peak_kib() - before) / 1024
 
@@ -216,3 +217,20 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
                            "parameters + gradients + Adam state per rank (MiB)",
                            f"ZeRO stages, world {rows[0]['world']}, "
                            f"{rows[0]['params'] / 1e6:.1f}M parameters, fp32 Adam, gloo", path)
+
+
+TITLE = N_("ZeRO and FSDP against our DDP and torch's")
+ZERO_LIMITS = {"zero1": 1.10, "zero2": 1.10, "zero3": 1.4}
+
+
+def figures(rows: list[dict]) -> Iterable[Figure]:
+    for r in rows:
+        v = r["variant"]
+        if r.get("vs_our_ddp") is not None and v != "ddp" and not v.startswith("torch"):
+            yield Figure(_("{variant} / our DDP", variant=v), r["vs_our_ddp"],
+                         ZERO_LIMITS.get(v))
+        if r.get("vs_torch") is not None and not v.startswith("torch"):
+            yield Figure(_("{variant} / torch's counterpart", variant=v), r["vs_torch"], 0.9)
+        if r.get("formula_mib"):
+            yield Figure(_("{variant}: state bytes / formula", variant=v),
+                         r["state_mib"] / r["formula_mib"], None)
