@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import importlib.machinery
 import json
 import os
 import resource
@@ -56,6 +57,7 @@ def _become(request: dict) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _fresh_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
+        _own_package_from_path()
         app = request.get("app")
         if app == "kernel":  # as ipykernel_launcher: the folder off sys.path while it loads
             del sys.path[0]
@@ -111,6 +113,20 @@ def _fresh_path(cwd: str, pythonpath: str) -> None:
     wanted = [os.path.abspath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep) if p]
     sys.path[:] = [cwd] + wanted + [p for p in sys.path[1:]
                                     if p not in wanted and p not in _OWN_PYTHONPATH]
+
+
+def _own_package_from_path() -> None:
+    """Forget the course_lib this zygote's startup imported when the request's sys.path finds
+    another (a learner's bundle), and start that one as the zygote's was started."""
+    loaded = sys.modules.get("course_lib")
+    spec = importlib.machinery.PathFinder.find_spec("course_lib", sys.path)
+    if loaded is None or spec is None or spec.origin == getattr(loaded, "__file__", None):
+        return
+    for name in [n for n in sys.modules if n == "course_lib" or n.startswith("course_lib.")]:
+        del sys.modules[name]
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not type(f).__module__.startswith("course_lib")]
+    _startup()
 
 
 def _plain(value):
@@ -194,12 +210,16 @@ def _become_nanny(args_r: int, url_w: int, parents: tuple[int, int]) -> None:
 STARTUP_ENV = "COURSE_LIB_STARTUP"  # "module:function" to call before anything is imported
 
 
-def _preload() -> None:
-    """Import PRELOAD once for every process forked from here; first, what the process that
-    started this zygote asked for (a lesson's: the learner's components win from the start)."""
+def _startup() -> None:
     module, _, function = os.environ.get(STARTUP_ENV, "").partition(":")
     if module and function:
         getattr(importlib.import_module(module), function)()
+
+
+def _preload() -> None:
+    """Import PRELOAD once for every process forked from here; first, what the process that
+    started this zygote asked for (a lesson's: the learner's components win from the start)."""
+    _startup()
     for name in PRELOAD:
         __import__(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is not for us

@@ -118,9 +118,9 @@ def exchange_harness(fn, rank: int, world_size: int, k: int, n: int, dtype: str,
             "messages sent, received": (counts["sent"], counts["received"])}
 
 
-# 32 MiB of float32: more than a link's 4 MiB of shared-memory slots (or a socket's kernel
+# 16 MiB of float32: more than a link's 4 MiB of shared-memory slots (or a socket's kernel
 # buffers between hosts) hold, so two ranks that both send it first deadlock.
-BIG = 2 ** 23
+BIG = 2 ** 22
 
 register(Exercise(
     name="lesson01.exchange",
@@ -128,11 +128,11 @@ register(Exercise(
     params=("tensor", "peer"),
     cases=[
         case(RANK, WORLD_SIZE, 2, 10, "float32", 1, label="2 ranks, 10 floats, pair (0, 1)"),
-        case(RANK, WORLD_SIZE, 3, BIG, "float32", 1, label="3 ranks, 32 MiB, pair (0, 1)"),
+        case(RANK, WORLD_SIZE, 3, BIG, "float32", 1, label="3 ranks, 16 MiB, pair (0, 1)"),
         case(RANK, WORLD_SIZE, 3, 1001, "int64", 2, label="3 ranks, 1001 int64, pair (0, 2)"),
         case(RANK, WORLD_SIZE, 4, BIG, "float32", 1,
-             label="4 ranks, 32 MiB, pairs (0, 1) and (2, 3) at once"),
-        case(RANK, WORLD_SIZE, 4, BIG, "float32", 0, label="4 ranks, 32 MiB, pair (1, 3)"),
+             label="4 ranks, 16 MiB, pairs (0, 1) and (2, 3) at once"),
+        case(RANK, WORLD_SIZE, 4, BIG, "float32", 0, label="4 ranks, 16 MiB, pair (1, 3)"),
     ],
     reference="lesson01:exchange",
     explain="lesson01:explain_exchange",
