@@ -2,7 +2,7 @@
 
 Namespace A holds the notebook's side (tests/multihost_driver.py: the controller and two
 engines); namespace B, with its own host name (a UTS namespace) and its own /dev/shm (a tmpfs
-in its mount namespace), runs `course.py engines 2` with the connection file, as the README's
+in its mount namespace), runs `course.py engines 2` with the connection file, as docs/multihost.md's
 second machine does. The scratch backend runs between them over the veth addresses.
 """
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 N, FAR = 4, 2
 RUN_TIMEOUT = 30.0  # the driver's cluster run_timeout: an engine's death must be named sooner
 FAR_HOST = "course-far-host"
-# the ports the README tells a firewall to open: the controller's, and the ranks' own
+# the ports docs/multihost.md tells a firewall to open: the controller's, and the ranks' own
 CONTROLLER_PORTS, DIST_PORTS = range(10100, 10120), range(29500, 29510)
 
 

@@ -51,7 +51,7 @@ def start(n: int = 4, *, backend: str | None = None, engines: str = "local",
     "mpi", "ssh", "slurm", ...); extra keyword arguments go to `ipyparallel.Cluster`. The
     default backend is "scratch" (`course_lib.backend.default_backend`). With `joining=k`,
     only n-k engines start here and k join from other machines (`python3 course.py engines`,
-    see the README); `controller_ip` must then be an address they reach.
+    see docs/multihost.md); `controller_ip` must then be an address they reach.
     """
     backend = backends.default_backend() if backend is None else backend
     cluster = Cluster(n, backend=backend, engines=engines, timeout=timeout,

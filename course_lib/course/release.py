@@ -22,8 +22,9 @@ from course_lib.course.grading import judge, plain
 from course_lib.course.catalogue import exercises_for, lessons
 from course_lib.course.paths import ROOT
 
-TOP_LEVEL = ("README.md", "README.es.md", "docs/glossary.es.md", "pyproject.toml",
-             "constraints.txt", "course.py", ".gitignore")
+TOP_LEVEL = ("README.md", "README.es.md", "LICENSE", "LICENSE-CONTENT", "CITATION.cff",
+             "pyproject.toml", "constraints.txt", "course.py", ".gitignore")
+DOCS = "docs"  # every page the READMEs link (*.md), in both languages
 SKIP = ("__pycache__", ".egg-info", ".ipynb_checkpoints",
         "course_lib/course/grading/references/")  # the judge's side: the bundle has expected.json
 # Regions whose code the bundle still ships, with why: each is a defect to mend, not a licence.
@@ -45,6 +46,8 @@ def write_release(root: Path, dest: Path) -> list[str]:
             files[rel] = path.read_bytes()
     files.update({name: (root / name).read_bytes() for name in TOP_LEVEL
                   if (root / name).is_file()})
+    files.update({p.relative_to(root).as_posix(): p.read_bytes()
+                  for p in sorted((root / DOCS).glob("*.md"))})
     try:
         for rel, data in files.items():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
