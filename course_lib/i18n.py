@@ -64,8 +64,9 @@ def language_of(notebook: Path | dict) -> str | None:
     return lang if isinstance(lang, str) and lang in LANGUAGES else None
 
 
-def catalogue(path: Path) -> dict[str, str]:
-    """{English: translation} of a .po file's translated, non-fuzzy entries ({} if absent)."""
+def catalogue(path: Path) -> dict[str, str | tuple[str, ...]]:
+    """{English: translation} of a .po file's translated, non-fuzzy entries ({} if absent); an
+    entry with plural forms maps its singular to the tuple of its forms."""
     import polib
 
     try:
@@ -74,9 +75,17 @@ def catalogue(path: Path) -> dict[str, str]:
         return {}
     if path not in _loaded or _loaded[path][0] != stamp:
         entries = polib.pofile(str(path))
-        _loaded[path] = (stamp, {e.msgid: e.msgstr for e in entries
-                                 if e.msgstr and "fuzzy" not in e.flags and not e.obsolete})
+        _loaded[path] = (stamp, {e.msgid: _forms(e) for e in entries
+                                 if _forms(e) and "fuzzy" not in e.flags and not e.obsolete})
     return _loaded[path][1]
+
+
+def _forms(entry) -> str | tuple[str, ...]:
+    """A catalogue entry's translation: its text, or its plural forms (empty if any is)."""
+    if not entry.msgid_plural:
+        return entry.msgstr
+    forms = tuple(entry.msgstr_plural[i] for i in sorted(entry.msgstr_plural))
+    return forms if forms and all(forms) else ""
 
 
 def package_po(lang: str, name: str = "course_lib") -> Path:
@@ -85,7 +94,7 @@ def package_po(lang: str, name: str = "course_lib") -> Path:
     return PACKAGE_DIR / "locale" / lang / f"{name}.po"
 
 
-def translations(lang: str) -> dict[str, str]:
+def translations(lang: str) -> dict[str, str | tuple[str, ...]]:
     """{English: translation} over every package catalogue of `lang`."""
     found: dict[str, str] = {}
     for path in sorted((PACKAGE_DIR / "locale" / lang).glob("*.po")):
@@ -97,8 +106,21 @@ def _(message: str, /, **fields: object) -> str:
     """`message` in the current language, its `{fields}` filled in."""
     lang = current()
     if lang != "en" and message:
-        message = translations(lang).get(message, message)
+        found = translations(lang).get(message, message)
+        message = found if isinstance(found, str) else message
     return message.format(**fields) if fields else message
+
+
+def ngettext(singular: str, plural: str, n: int, /, **fields: object) -> str:
+    """`singular` or `plural` as the count `n` decides, in the current language, with `{n}`
+    and the other `{fields}` filled in ("1 rank" / "2 ranks"; the catalogue's plural forms)."""
+    lang, index = current(), 0 if n == 1 else 1  # English's and Spanish's rule: nplurals=2
+    text = singular if index == 0 else plural
+    if lang != "en":
+        forms = translations(lang).get(singular)
+        if isinstance(forms, tuple) and len(forms) > index:
+            text = forms[index]
+    return text.format(n=n, **fields)
 
 
 def N_(message: str) -> str:

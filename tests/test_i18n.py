@@ -33,10 +33,13 @@ def test_the_catalogue_is_the_code_s_messages_all_translated():
     for name, found in parts.items():
         entries = {e.msgid: e for e in polib.pofile(str(i18n.package_po("es", name)))
                    if not e.obsolete}
-        assert set(entries) == set(found), name
+        assert set(entries) == {messages.msgid(m) for m in found}, name
         for msgid, entry in entries.items():
-            assert entry.msgstr and "fuzzy" not in entry.flags, (name, msgid)
-            assert i18n.fields_of(entry.msgstr) == i18n.fields_of(msgid), (name, msgid)
+            assert i18n.catalogue(i18n.package_po("es", name)).get(msgid), (name, msgid)
+            texts = ([entry.msgstr] if not entry.msgid_plural else
+                     list(entry.msgstr_plural.values()))
+            for text in texts:
+                assert i18n.fields_of(text) == i18n.fields_of(msgid), (name, msgid)
 
 
 def test_check_feedback_is_written_in_the_edition_s_language(monkeypatch):
@@ -104,3 +107,37 @@ def test_the_check_table_s_case_labels_in_spanish():
     assert ex.cases[0].describe(ex.function) == "12 samples, 3 ranks, rank 1, in order"
     with i18n.language("es"):
         assert ex.cases[0].describe(ex.function) == "12 muestras, 3 ranks, rank 1, en orden"
+
+
+def test_a_count_chooses_the_plural_form_in_both_languages(tmp_path, monkeypatch):
+    """`ngettext` follows the count and the catalogue's plural forms; a plural entry missing
+    a form falls back to English rather than showing an empty line."""
+    import polib
+
+    po = polib.POFile()
+    po.metadata = {"Plural-Forms": "nplurals=2; plural=(n != 1);"}
+    po.append(polib.POEntry(msgid="{n} rank waits", msgid_plural="{n} ranks wait",
+                            msgstr_plural={0: "{n} rank espera", 1: "{n} ranks esperan"}))
+    po.append(polib.POEntry(msgid="{n} message", msgid_plural="{n} messages",
+                            msgstr_plural={0: "{n} mensaje", 1: ""}))
+    folder = tmp_path / "locale" / "es"
+    folder.mkdir(parents=True)
+    po.save(str(folder / "course_lib.po"))
+    monkeypatch.setattr(i18n, "PACKAGE_DIR", tmp_path)
+    said = {(lang, n): i18n.ngettext("{n} rank waits", "{n} ranks wait", n)
+            for lang in i18n.LANGUAGES for n in (0, 1, 2)
+            for _ in [monkeypatch.setenv(i18n.LANG_ENV, lang)]}
+    assert said == {("en", 0): "0 ranks wait", ("en", 1): "1 rank waits", ("en", 2): "2 ranks wait",
+                    ("es", 0): "0 ranks esperan", ("es", 1): "1 rank espera",
+                    ("es", 2): "2 ranks esperan"}
+    monkeypatch.setenv(i18n.LANG_ENV, "es")
+    assert i18n.ngettext("{n} message", "{n} messages", 3) == "3 messages"
+
+
+def test_the_overlay_says_which_code_runs_in_spanish(tmp_path, monkeypatch):
+    from course_lib.course import overlay
+
+    monkeypatch.setenv("COURSE_LIB_HOME", str(tmp_path))
+    monkeypatch.setenv(i18n.LANG_ENV, "es")
+    line = overlay.resolve("ddp").line
+    assert line.startswith("course_lib.ddp: la referencia: tu lección 04b"), line

@@ -79,9 +79,9 @@ def test_a_passed_lesson_is_exported_and_used_and_an_unfinished_one_falls_back(
           epoch=0, drop_last=False: list(range(rank, n, num_replicas)))
     assert "lesson03.shard_indices: 0" in capsys.readouterr().out
     assert overlay.resolve("data").line == ("course_lib.data: the reference: your lesson 03 "
-                                            "has 1 failing check(s)")
+                                            "has 1 failing check")
     lines = overlay.use(data="mine")
-    assert "course_lib.data: yours, from lesson 03 (your lesson 03 has 1 failing check(s))" in lines
+    assert "course_lib.data: yours, from lesson 03 (your lesson 03 has 1 failing check)" in lines
     assert imported_from(home, "course_lib.data") == ["mine"]
     overlay.use("reference")
     assert imported_from(home, "course_lib.data") == ["packaged"]

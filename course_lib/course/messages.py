@@ -1,5 +1,6 @@
 """Extracting the package's messages into its gettext catalogues (`course_lib/locale/LANG/`):
-every `_("...")` and `N_("...")` literal, every exercise's `hints=` and every case's `label=`.
+every `_("...")` and `N_("...")` literal, every `ngettext("...", "...", n)` pair (an entry with
+plural forms), every exercise's `hints=` and every case's `label=`.
 A lesson's exercise messages go to `lessonNN.po` (so each lesson's catalogue is edited on its
 own), everything else to `course_lib.po`; merged as msgmerge would.
 
@@ -16,7 +17,14 @@ from pathlib import Path
 from course_lib.i18n import LANGUAGES, PACKAGE_DIR, package_po
 
 
-def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
+Message = str | tuple[str, str]  # a text, or (singular, plural) for an entry with plural forms
+
+
+def msgid(message: Message) -> str:
+    return message if isinstance(message, str) else message[0]
+
+
+def extract(root: Path = PACKAGE_DIR) -> dict[Message, list[str]]:
     """{message: [where, ...]} of every `_("...")` and `N_("...")` call and every exercise's
     `hints=("...", ...)` and case `label="..."` in the package."""
     found: dict[str, list[str]] = {}
@@ -28,6 +36,11 @@ def extract(root: Path = PACKAGE_DIR) -> dict[str, list[str]]:
                     and node.func.id in ("_", "N_") and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 texts.append(node.args[0].value)
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ngettext"
+                    and len(node.args) >= 2 and all(isinstance(a, ast.Constant)
+                                                    and isinstance(a.value, str)
+                                                    for a in node.args[:2])):
+                texts.append((node.args[0].value, node.args[1].value))
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "case":
                 texts += [kw.value.value for kw in node.keywords if kw.arg == "label"
                           and isinstance(kw.value, ast.Constant)
@@ -56,7 +69,7 @@ def catalogue_name(where: list[str]) -> str:
     return owners.pop() if len(owners) == 1 else "course_lib"
 
 
-def split(messages: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
+def split(messages: dict[Message, list[str]]) -> dict[str, dict[Message, list[str]]]:
     """{catalogue name: its messages} for `messages` as `extract` found them."""
     found: dict[str, dict[str, list[str]]] = {}
     for text, where in messages.items():
@@ -64,7 +77,7 @@ def split(messages: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
     return found
 
 
-def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
+def merge(po_path: Path, messages: dict[Message, list[str]]) -> list[str]:
     """Bring a catalogue up to the messages found, as msgmerge would: new ones untranslated,
     vanished ones obsolete. Returns what changed, one line each."""
     import polib
@@ -73,19 +86,23 @@ def merge(po_path: Path, messages: dict[str, list[str]]) -> list[str]:
           else polib.POFile(wrapwidth=0))
     po.metadata = po.metadata or {"Content-Type": "text/plain; charset=UTF-8",
                                   "Language": po_path.parent.name}
+    po.metadata.setdefault("Plural-Forms", "nplurals=2; plural=(n != 1);")
     known = {e.msgid: e for e in po}
     changed = []
     for text, where in messages.items():
-        entry = known.get(text)
+        entry = known.get(msgid(text))
         if entry is None:
-            entry = polib.POEntry(msgid=text, msgstr="")
+            entry = (polib.POEntry(msgid=text, msgstr="") if isinstance(text, str) else
+                     polib.POEntry(msgid=text[0], msgid_plural=text[1],
+                                   msgstr_plural={0: "", 1: ""}))
             po.append(entry)
-            changed.append(f"new: {text[:60]}")
+            changed.append(f"new: {msgid(text)[:60]}")
         entry.obsolete = False
         entry.occurrences = [(w.rsplit(":", 1)[0], w.rsplit(":", 1)[1]) for w in where]
+    ids = {msgid(text) for text in messages}
     for entry in list(po):
-        if entry.msgid not in messages and not entry.obsolete:
-            if not entry.msgstr:  # never translated: nothing to keep for its return
+        if entry.msgid not in ids and not entry.obsolete:
+            if not (entry.msgstr or any(entry.msgstr_plural.values())):  # never translated: nothing to keep for its return
                 po.remove(entry)
                 changed.append(f"removed: {entry.msgid[:60]}")
                 continue

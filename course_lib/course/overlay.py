@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from course_lib.course.exports import STUDENT_HEADER, module_path
+from course_lib.i18n import _, ngettext
 from course_lib.course.learner_package import (HOME_ENV, OVERLAY_HEADER, export, find_notebook,
                                                home, lesson_of, modules_of, not_passed, record)
 from course_lib.course.markers import BuildError
@@ -53,7 +54,7 @@ def _choices() -> dict[str, str]:
     parts = [p.strip() for p in os.environ.get(USE_ENV, default).split(",") if p.strip()]
     found = {"*": "mine"}
     for part in parts:
-        module, _, choice = part.rpartition("=")
+        module, _sep, choice = part.rpartition("=")
         found[module or "*"] = choice
     return found
 
@@ -87,22 +88,28 @@ def resolve(module: str) -> Resolution:
     named = module in choices
     choice = choices.get(module, choices["*"])
     name, mine = f"course_lib.{module}", home() / module_path(module)
-    why = f"your lesson {number} is not exported yet"
+    why = _("your lesson {number} is not exported yet", number=number)
     if mine.is_file():  # only then read the record (it loads the exercises)
         failing, unchecked = not_passed(lesson)
-        why = (f"your lesson {number} has {len(failing)} failing check(s)" if failing else
-               f"{len(unchecked)} check(s) of your lesson {number} not run yet" if unchecked
-               else "")
+        why = (ngettext("your lesson {number} has {n} failing check",
+                        "your lesson {number} has {n} failing checks", len(failing),
+                        number=number) if failing else
+               ngettext("{n} check of your lesson {number} not run yet",
+                        "{n} checks of your lesson {number} not run yet", len(unchecked),
+                        number=number) if unchecked else "")
     shipped = reference_shipped(module)
     if choice == "mine" and mine.is_file() and (named or not why or not shipped):
-        note = f" ({why})" if why else ""
-        return Resolution(module, mine, f"{name}: yours, from lesson {number}{note}")
+        line = (_("{name}: yours, from lesson {number} ({why})", name=name, number=number,
+                  why=why) if why else
+                _("{name}: yours, from lesson {number}", name=name, number=number))
+        return Resolution(module, mine, line)
     if not shipped:
-        return Resolution(module, None, f"{name}: not written yet: {why}, and this release "
-                                        f"ships no reference; complete lesson {number}")
+        return Resolution(module, None, _("{name}: not written yet: {why}, and this release "
+                                          "ships no reference; complete lesson {number}",
+                                          name=name, why=why, number=number))
     if choice == "reference":
-        return Resolution(module, None, f"{name}: the reference (you chose it)")
-    return Resolution(module, None, f"{name}: the reference: {why}")
+        return Resolution(module, None, _("{name}: the reference (you chose it)", name=name))
+    return Resolution(module, None, _("{name}: the reference: {why}", name=name, why=why))
 
 
 def _running(module: str, app: str) -> bool:
@@ -305,7 +312,8 @@ def describe_file(filename: str) -> str | None:
     module = rel.with_suffix("").as_posix().removeprefix("course_lib/").replace("/", ".")
     if module not in COMPONENTS:
         return None
-    return f"your lesson {lesson_of(module).split('_')[0]}'s {rel.as_posix()}"
+    return _("your lesson {number}'s {file}", number=lesson_of(module).split("_")[0],
+             file=rel.as_posix())
 
 
 def main(argv: list[str] | None = None) -> int:
