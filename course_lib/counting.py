@@ -40,6 +40,14 @@ def ring_sent_bytes(name: str, payload: int, world_size: int) -> float:
     return 0.0
 
 
+def _a2a_sent(rows: int, nbytes: int, input_split_sizes: Any, world_size: int,
+              rank: int) -> int:
+    """Bytes all_to_all_single sends to other ranks: every block but the rank's own."""
+    splits = list(input_split_sizes) if input_split_sizes else [rows // world_size] * world_size
+    row_bytes = nbytes // rows if rows else 0
+    return sum(n for j, n in enumerate(splits) if j != rank) * row_bytes
+
+
 class CountingDist:
     """Forwards to a `dist` module, counting each call and its payload bytes per operation.
 
@@ -52,6 +60,7 @@ class CountingDist:
         self.dist, self.group = dist, group
         self.calls: Counter = Counter()
         self.payload: Counter = Counter()  # bytes of the full tensor each collective is about
+        self.exact: Counter = Counter()  # bytes really sent to other ranks (all_to_all's)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.dist, name)
@@ -63,6 +72,7 @@ class CountingDist:
     def reset(self) -> None:
         self.calls.clear()
         self.payload.clear()
+        self.exact.clear()
 
     def _group(self, group: Any) -> Any:
         return self.group if group is None else group
@@ -121,8 +131,25 @@ class CountingDist:
     def barrier(self, *args, **kwargs):
         return self._call("barrier", 0, args, kwargs)
 
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          *args, **kwargs):
+        """Counted by the bytes it really sends: uneven splits are counted, not modelled."""
+        self.exact["all_to_all_single"] += _a2a_sent(
+            input.shape[0] if input.dim() else 1, _nbytes(input), input_split_sizes,
+            self.get_world_size(kwargs.get("group")), self.get_rank(kwargs.get("group")))
+        return self._call("all_to_all_single", _nbytes(input),
+                          (output, input, output_split_sizes, input_split_sizes, *args), kwargs)
+
+    def all_to_all(self, output_tensor_list, input_tensor_list, *args, **kwargs):
+        rank = self.get_rank(kwargs.get("group"))
+        self.exact["all_to_all"] += sum(_nbytes(t) for j, t in enumerate(input_tensor_list)
+                                        if j != rank)
+        return self._call("all_to_all", _nbytes(input_tensor_list),
+                          (output_tensor_list, input_tensor_list, *args), kwargs)
+
     def sent_bytes(self) -> float:
         """Bytes this rank sent for the counted collectives, by the ring model (linear in the
         payload, so the sum over calls is the model of the summed payload)."""
         world = self.get_world_size()
-        return sum(ring_sent_bytes(name, self.payload[name], world) for name in self.calls)
+        return (sum(ring_sent_bytes(name, self.payload[name], world) for name in self.calls)
+                + sum(self.exact.values()))  # all_to_all's, as sent

@@ -74,6 +74,27 @@ def test_benchmark_rows_json_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_all_to_all_rows_json_and_plot(tmp_path):
+    """all_to_all in the same family: ours (pairwise, naive) against gloo (and MPI)."""
+    out, png = tmp_path / "a2a.json", tmp_path / "a2a.png"
+    backends = "scratch,gloo" + (",mpi" if mpi.unavailable() is None else "")
+    assert bench_cli.main(["allreduce", "--collective", "all_to_all", "--world", "2",
+                           "--backends", backends, "--sizes", "4KiB",
+                           "--algorithms", "pairwise,naive", "--repeats", "2", "--rounds", "1",
+                           "--warmup", "2", "--timeout", "120",
+                           "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["backend"], r["algorithm"]) for r in rows}
+    assert got == {("scratch", "pairwise"), ("scratch", "naive"), ("gloo", "default")} | (
+        {("mpi", "default")} if "mpi" in backends else set())
+    for r in rows:
+        assert r["collective"] == "all_to_all" and r["bytes"] == 4096
+        assert r["busbw"] == pytest.approx(r["algbw"] * (2 - 1) / 2)
+    assert list(allreduce.figures(rows)) == []  # the all_reduce report's figures stay its own
+    with pytest.raises(SystemExit, match="unknown algorithms"):
+        bench_cli.main(["allreduce", "--collective", "all_to_all", "--algorithms", "ring"])
+
+
 def test_measure_catches_a_wrong_result(monkeypatch):
     """The check outside the timed region fails loudly when an all_reduce is wrong."""
     monkeypatch.setattr(allreduce, "_backend_ops", lambda b, a: (lambda: None, lambda t: None))

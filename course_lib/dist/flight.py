@@ -27,7 +27,7 @@ from course_lib.i18n import N_, _
 
 TRACE_SIZE = 2000
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "reduce_scatter",
-       "all_reduce", "barrier")
+       "all_reduce", "barrier", "all_to_all", "all_to_all_single")
 FINGERPRINT_DIMS = 8
 COMPLETED, FAILED = N_("completed"), N_("failed")  # an entry's states after "started"
 _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in DTYPES}  # "float32", ...

@@ -18,6 +18,10 @@ reports the median over repeats. Every result is checked against the exact sum o
 timed region. algbw = bytes / seconds and busbw = algbw * 2(p-1)/p, in GB/s (nccl-tests'
 definitions). MPI runs under the mpich wheel's `mpiexec`, with mpi4py's buffer call
 `comm.Allreduce(MPI.IN_PLACE, array)`.
+
+`--collective all_to_all` times all_to_all_single instead (lesson 13): ours ("pairwise",
+"naive") against gloo's and MPI's `comm.Alltoall`, the size being each rank's whole input (as
+in nccl-tests), busbw = algbw * (p-1)/p; each result is checked against the transposition.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from course_lib.course.bench.common import Figure, choose, median, size_text, sl
 from course_lib import dist
 from course_lib.spawn import spawn
 from course_lib.dist.collectives import ALGORITHMS
+from course_lib.dist.alltoall import ALGORITHMS as A2A_ALGORITHMS
 
 UNITS = {"": 1, "B": 1, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "KB": 10 ** 3,
          "MB": 10 ** 6, "GB": 10 ** 9}
@@ -82,10 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of scratch, gloo, mpi")
     parser.add_argument("--sizes", type=parse_sizes, default="4KiB,1MiB,16MiB",
                         help="comma list of byte sizes (4KiB, 1MiB, 16MiB; KB/MB: powers of 10)")
-    parser.add_argument("--algorithms", default="ring",
+    parser.add_argument("--collective", choices=("all_reduce", "all_to_all"),
+                        default="all_reduce", help="what to time (default all_reduce)")
+    parser.add_argument("--algorithms", default=None,
                         help="scratch algorithms, comma list of ring, tree, naive, rabenseifner, "
                              "one_shot (through the group's staging buffer), auto, shared (a "
-                             "buffer from dist.shared_zeros, read in place)")
+                             "buffer from dist.shared_zeros, read in place); default ring. For "
+                             "--collective all_to_all: pairwise, naive (default pairwise)")
     parser.add_argument("--repeats", type=at_least(1), default=20, help="timed repeats per row")
     parser.add_argument("--warmup", type=at_least(0), default=WARMUP,
                         help=f"untimed repeats per size and process set (default {WARMUP})")
@@ -116,6 +124,30 @@ def _backend_ops(backend: str, algorithm: str):
     return comm.Barrier, lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy())
 
 
+def _a2a_ops(backend: str, algorithm: str):
+    """(barrier, all_to_all_single(output, input)) for a backend that is already initialized."""
+    if backend == "scratch":
+        return dist.barrier, lambda out, t: dist.all_to_all_single(out, t, algorithm=algorithm)
+    if backend == "gloo":
+        import torch.distributed as tdist
+        return tdist.barrier, tdist.all_to_all_single
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    return comm.Barrier, lambda out, t: comm.Alltoall(t.numpy(), out.numpy())
+
+
+def _a2a_case(backend: str, algorithm: str, nbytes: int, rank: int, world: int):
+    """((barrier, op(buf)), buf, check(buf)) of an all_to_all row: input rank + 1 everywhere,
+    so output block i must hold i + 1."""
+    import torch
+
+    n = nbytes // DTYPE_BYTES // world * world
+    out = torch.empty(n, dtype=torch.float32)
+    barrier, a2a = _a2a_ops(backend, algorithm)
+    want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n // world)
+    return (barrier, lambda t: a2a(out, t)), torch.empty(n), lambda: torch.equal(out, want)
+
+
 def bind_to_core(rank: int, world: int) -> None:
     """Pin this rank to a core of its own, if there is one per rank; the same for every backend.
 
@@ -129,7 +161,8 @@ def bind_to_core(rank: int, world: int) -> None:
 
 def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
             repeats: int, bind: str = "none", warmup: int = WARMUP,
-            conductor: str | None = None, timeout: float = 300.0) -> dict[str, list[float]]:
+            conductor: str | None = None, timeout: float = 300.0,
+            collective: str = "all_reduce") -> dict[str, list[float]]:
     """Per (bytes, algorithm) in `plan`, this rank's time of each timed repeat; checks each
     result. Alone, each row gets `warmup` untimed repeats, then `repeats` timed; with a
     `conductor` (an `interleave` address), rows run in the turns it hands out."""
@@ -137,8 +170,14 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
 
     if bind == "core":
         bind_to_core(rank, world)
-    cases = []
+    cases, checks = [], []
     for nbytes, algorithm in plan:
+        if collective == "all_to_all":
+            ops, buf, check = _a2a_case(backend, algorithm, nbytes, rank, world)
+            cases.append((ops, buf))
+            checks.append(check)
+            continue
+        checks.append(None)
         if algorithm == "shared":  # every rank allocates it in the same call: plans are equal
             buf = dist.shared_zeros(nbytes // DTYPE_BYTES)
         else:
@@ -159,7 +198,11 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
             t0 = time.perf_counter()
             all_reduce(buf)
             elapsed = time.perf_counter() - t0
-            if buf.numel() and not (buf.min() == expected and buf.max() == expected):
+            if checks[i] is not None:
+                if not checks[i]():
+                    raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_to_all of "
+                                         f"{nbytes} B is not the transposition")
+            elif buf.numel() and not (buf.min() == expected and buf.max() == expected):
                 raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_reduce of "
                                      f"{nbytes} B gave {buf.min()}..{buf.max()}, "
                                      f"expected {expected}")
@@ -177,7 +220,8 @@ def _mpi_worker(spec: str) -> None:
     cfg = json.loads(spec)
     comm = MPI.COMM_WORLD
     times = measure(comm.Get_rank(), comm.Get_size(), "mpi", [tuple(p) for p in cfg["plan"]],
-                    cfg["repeats"], cfg["bind"], cfg["warmup"], cfg["conductor"], cfg["timeout"])
+                    cfg["repeats"], cfg["bind"], cfg["warmup"], cfg["conductor"], cfg["timeout"],
+                    cfg.get("collective", "all_reduce"))
     slowest = {}
     for key, values in times.items():  # the slowest rank per repeat, as numbers (no pickles)
         buf = torch.tensor(values, dtype=torch.float64).numpy()
@@ -191,9 +235,9 @@ def _mpi_worker(spec: str) -> None:
 
 def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
              env: dict | None = None, warmup: int = WARMUP,
-             conductor: str | None = None) -> list[dict]:
+             conductor: str | None = None, collective: str = "all_reduce") -> list[dict]:
     spec = json.dumps({"plan": plan, "repeats": repeats, "bind": bind, "warmup": warmup,
-                       "conductor": conductor, "timeout": timeout})
+                       "conductor": conductor, "timeout": timeout, "collective": collective})
     out = mpi.launch(world, ["-m", "course_lib.course.bench.allreduce", "--mpi-worker", spec], timeout,
                      env)
     lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
@@ -203,12 +247,13 @@ def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
 
 
 def _run_set(backend: str, world: int, plan: list, timeout: float, bind: str,
-             conductor: str) -> list[dict]:
+             collective: str, conductor: str) -> list[dict]:
     """One fresh set of `world` processes for `backend`, running the conductor's turns;
     per-rank {key: times}."""
     if backend == "mpi":
-        return _run_mpi(world, plan, 0, timeout, bind, warmup=0, conductor=conductor)
-    return spawn(measure, world, backend, plan, 0, bind, 0, conductor, timeout,
+        return _run_mpi(world, plan, 0, timeout, bind, warmup=0, conductor=conductor,
+                        collective=collective)
+    return spawn(measure, world, backend, plan, 0, bind, 0, conductor, timeout, collective,
                  backend=backend, timeout=timeout)
 
 
@@ -218,7 +263,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
     sizes = args.sizes
-    algorithms = choose(args.algorithms, ALGORITHMS, "algorithms")
+    a2a = args.collective == "all_to_all"
+    algorithms = choose(args.algorithms or ("pairwise" if a2a else "ring"),
+                        A2A_ALGORITHMS if a2a else ALGORITHMS, "algorithms")
     if "mpi" in backends and (why := mpi.unavailable()):
         print(f"note: skipping mpi: {why}", file=sys.stderr)
         backends.remove("mpi")
@@ -227,8 +274,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     per_round = math.ceil(args.repeats / args.rounds)
     plans = {b: [(n, a) for n in sizes for a in (algorithms if b == "scratch" else ["default"])]
              for b in backends}
-    launchers = {b: functools.partial(_run_set, b, args.world, plans[b], args.timeout, args.bind)
-                 for b in backends}
+    launchers = {b: functools.partial(_run_set, b, args.world, plans[b], args.timeout, args.bind,
+                                      args.collective) for b in backends}
     collected: dict[tuple[str, str, int], list[float]] = {}
     for rnd in range(args.rounds):
         turns = interleave.schedule({b: [n for n, _ in plan] for b, plan in plans.items()},
@@ -240,11 +287,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                 collected.setdefault((b, a, n), []).extend(
                     slowest_rank([r[f"{n}/{a}"] for r in per_rank]))
     rows = []
-    bus = 2 * (args.world - 1) / args.world
+    bus = (1 if a2a else 2) * (args.world - 1) / args.world
     for (backend, algorithm, n), secs in sorted(collected.items(),
                                                 key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         t = median(secs)
-        rows.append({"backend": backend, "algorithm": algorithm, "world": args.world,
+        rows.append({"collective": args.collective, "backend": backend, "algorithm": algorithm,
+                     "world": args.world,
                      "bytes": n, "seconds": t, "algbw": n / t / 1e9,
                      "busbw": n / t / 1e9 * bus, "repeats": len(secs), "bind": args.bind})
     return rows
@@ -263,7 +311,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
                 label=f"{key[0]} ({key[1]})")
     ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (ms)",
-           title=f"all_reduce, world {rows[0]['world']}" if rows else "all_reduce")
+           title=f"{rows[0].get('collective', 'all_reduce')}, world {rows[0]['world']}"
+           if rows else "all_reduce")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -283,6 +332,7 @@ TITLE = N_("all_reduce against gloo and MPI")
 
 def figures(rows: list[dict]) -> Iterable[Figure]:
     """Ours (auto, else our fastest algorithm) against MPI and gloo, size by size."""
+    rows = [r for r in rows if r.get("collective", "all_reduce") == "all_reduce"]
     for n in sorted({r["bytes"] for r in rows}):
         at = [r for r in rows if r["bytes"] == n]
         scratch = [r for r in at if r["backend"] == "scratch"]

@@ -105,7 +105,7 @@ def counting_messages() -> Iterator[dict]:
 
 
 LIBRARY = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "scatter",
-           "gather", "barrier")
+           "gather", "barrier", "all_to_all", "all_to_all_single")
 
 
 @contextmanager
