@@ -57,8 +57,6 @@ def backward_step(sched: PipelineSchedule, mb: int) -> None:
     grad = None
     if not st.is_last:
         grad = st.recv(st.next, GRADIENT_TAG, mb)
-        if mb + 1 < sched.n_microbatches:
-            st.irecv(st.next, GRADIENT_TAG, mb + 1, like=grad)
     with sched.measure("B", mb):
         torch.autograd.backward(out, grad)
     if not st.is_first:

@@ -1,5 +1,5 @@
-"""Lesson 07's exercises (07a, 07b, 07c): the solutions score full points, realistic wrong versions
-less, each with a reason in the lesson's terms (the distributed ones on 2, 3 and 4 ranks of a
+"""Lesson 07's exercises (07a, 07b, 07c, 07d): the solutions score full points, realistic wrong
+versions less, each with a reason in the lesson's terms (the distributed ones on 2, 3 and 4 ranks of a
 4-rank scratch cluster, a stage per rank)."""
 
 from __future__ import annotations
@@ -410,3 +410,170 @@ def test_order_solutions_and_mistakes():
     assert "micro-batches of activations stored on stage" in r.reason, r.reason
     r = less("lesson07.one_f_one_b_order", one_f_one_b_backward_first)
     assert "stage 1 runs B of micro-batch 0 before its F" in notes(r), notes(r)
+
+
+# 07d: lesson07.interleaved_order -----------------------------------------------------------------
+
+def _groups(m, p):
+    rounds = max(m // p, 1)
+    bounds = [r * (m // rounds) + min(r, m % rounds) for r in range(rounds + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _interleaved(m, p, s, v, groups, forward_chunks, backward_chunks, warmup):
+    from course_lib.pipeline_actions import Action, interleave
+
+    fwd = [Action("F", j, k * p + s) for g in groups for k in forward_chunks for j in g]
+    bwd = [Action("B", j, k * p + s) for g in groups for k in backward_chunks for j in g]
+    return interleave(fwd, bwd, min(warmup, len(fwd)))
+
+
+def order_forward_chunks_reversed(n_microbatches, num_stages, stage_index, chunks_per_stage=2):
+    """A group's forwards through the stage's chunks last first."""
+    m, p, s, v = n_microbatches, num_stages, stage_index, chunks_per_stage
+    g = _groups(m, p)
+    return _interleaved(m, p, s, v, g, list(reversed(range(v))), list(reversed(range(v))),
+                        (v - 1) * len(g[0]) + 2 * (p - 1 - s))
+
+
+def order_backward_in_model_order(n_microbatches, num_stages, stage_index, chunks_per_stage=2):
+    """The backwards through the chunks in model order, as the forwards."""
+    m, p, s, v = n_microbatches, num_stages, stage_index, chunks_per_stage
+    g = _groups(m, p)
+    return _interleaved(m, p, s, v, g, range(v), range(v), (v - 1) * len(g[0]) + 2 * (p - 1 - s))
+
+
+def order_1f1b_warmup(n_microbatches, num_stages, stage_index, chunks_per_stage=2):
+    """1F1B's warm-up (p - 1 - s forwards), too short for v chunks."""
+    m, p, s, v = n_microbatches, num_stages, stage_index, chunks_per_stage
+    return _interleaved(m, p, s, v, _groups(m, p), range(v), list(reversed(range(v))), p - 1 - s)
+
+
+def order_groups_of_p(n_microbatches, num_stages, stage_index, chunks_per_stage=2):
+    """Groups of exactly p micro-batches, the remainder a small last group (Megatron's)."""
+    m, p, s, v = n_microbatches, num_stages, stage_index, chunks_per_stage
+    g = [range(a, min(a + p, m)) for a in range(0, m, p)]
+    return _interleaved(m, p, s, v, g, range(v), list(reversed(range(v))),
+                        (v - 1) * len(g[0]) + 2 * (p - 1 - s))
+
+
+def test_interleaved_order_solution_and_mistakes():
+    from course_lib.pipeline_schedules import interleaved_order
+
+    full("lesson07.interleaved_order", interleaved_order)
+    r = less("lesson07.interleaved_order", order_forward_chunks_reversed)
+    assert r.points == 0 and "waits on itself" in notes(r), notes(r)
+    r = less("lesson07.interleaved_order", order_backward_in_model_order)
+    assert "waits on itself" in notes(r), notes(r)
+    r = less("lesson07.interleaved_order", order_1f1b_warmup)
+    assert "comes before" in notes(r), notes(r)
+    r = less("lesson07.interleaved_order", order_groups_of_p)  # right where p divides m
+    assert r.points > 0 and "idle" in notes(r), notes(r)
+
+
+def test_interleaved_gold_lists_are_the_solutions():
+    from course_lib.course.grading.references.lesson07.beyond import GOLD
+    from course_lib.pipeline_schedules import interleaved_order
+
+    for key, actions in GOLD.items():
+        m, p, s = map(int, key.split(","))
+        assert [list(a) for a in interleaved_order(m, p, s, 2)] == actions, key
+
+
+# 07d: lesson07.backward_input and backward_weight ----------------------------------------------
+
+def b_does_everything(segments, grad_output):
+    """B runs the whole backward, weights too, before its gradient leaves."""
+    from course_lib.pipeline_actions import has_weights
+
+    grad = grad_output
+    for seg in reversed(segments):
+        params = list(seg.layer.parameters()) if has_weights(seg) else []
+        if not seg.inp.requires_grad:
+            torch.autograd.backward(seg.out, grad, inputs=params)
+            return None
+        torch.autograd.backward(seg.out, grad, inputs=[seg.inp] + params)
+        grad = seg.inp.grad
+    return grad
+
+
+def w_does_nothing(segments):
+    """Nothing left to do: B did it."""
+
+
+def b_frees_the_graph(segments, grad_output):
+    """The input gradient without keeping the graph: W finds it gone."""
+    from course_lib.pipeline_actions import has_weights
+
+    grad = grad_output
+    for seg in reversed(segments):
+        if has_weights(seg):
+            seg.grad_out.append(grad)
+        if not seg.inp.requires_grad:
+            return None
+        (grad,) = torch.autograd.grad(seg.out, seg.inp, grad)
+    return grad
+
+
+def w_recomputes_the_forward(segments):
+    """W runs each layer's forward again and backward through it."""
+    from course_lib.pipeline_actions import has_weights
+
+    for seg in segments:
+        if has_weights(seg):
+            torch.autograd.backward(seg.layer(seg.inp.detach()), seg.grad_out.pop())
+
+
+@pytest.mark.cluster
+def test_backward_split_solutions_and_mistakes(scratch_cluster_4):
+    from course_lib.pipeline_schedules import backward_input, backward_weight
+
+    c = scratch_cluster_4
+    full("lesson07.backward_input", backward_input, c)
+    full("lesson07.backward_weight", backward_weight, c)
+    r = less("lesson07.backward_input", b_does_everything, c)
+    assert r.points == 0 and "inside B, before its input gradient left" in r.reason, r.reason
+    r = less("lesson07.backward_input", b_frees_the_graph, c, time_limit=2.0)
+    assert r.points == 0 and "RuntimeError" in notes(r) + r.reason, (r.reason, notes(r))
+    r = less("lesson07.backward_weight", w_recomputes_the_forward, c)
+    assert "layer forwards again" in r.reason, r.reason
+    r = less("lesson07.backward_weight", w_does_nothing, c)
+    assert r.points == 0
+
+
+# 07d: lesson07.first_conflict ------------------------------------------------------------------
+
+def match_as_multisets(mine, theirs):
+    """Every send has its receive somewhere on the other side: the order ignored."""
+    key = lambda op, flip=False: (op.message, op.send != flip)  # noqa: E731
+    return None if sorted(map(key, mine)) == sorted(key(o, True) for o in theirs) else 0
+
+
+def match_per_direction(mine, theirs):
+    """The sends of one side against the receives of the other, each direction alone."""
+    for sends, recvs in (([o for o in mine if o.send], [o for o in theirs if not o.send]),
+                         ([o for o in theirs if o.send], [o for o in mine if not o.send])):
+        for k, (s, r) in enumerate(zip(sends, recvs)):
+            if s.message != r.message:
+                return k
+    return None
+
+
+def match_to_the_shorter(mine, theirs):
+    """Stops at the end of the shorter list: a missing operation goes unseen."""
+    for k, (a, b) in enumerate(zip(mine, theirs)):
+        if a.send == b.send or a.message != b.message:
+            return k
+    return None
+
+
+def test_first_conflict_solution_and_mistakes():
+    from course_lib.pipeline_schedules import first_conflict
+
+    full("lesson07.first_conflict", first_conflict)
+    r = less("lesson07.first_conflict", match_as_multisets)
+    assert "both receives prefetched" in r.reason and "recv grad 1" in r.reason, r.reason
+    r = less("lesson07.first_conflict", match_per_direction)
+    assert "operation #" in notes(r), notes(r)
+    r = less("lesson07.first_conflict", match_to_the_shorter)
+    assert "missing" in r.reason or "operation #8" in notes(r), (r.reason, notes(r))

@@ -238,7 +238,8 @@ def test_a_stage_whose_peer_is_gone_fails_naming_stage_rank_and_peer(backend):
 
 
 def test_pipeline_benchmark_runs_end_to_end(tmp_path):
-    """Rows, JSON and plot on tiny sizes; the bubble itself is measured by the lead."""
+    """Rows, JSON and plot on tiny sizes, lesson 07c's schedules, 07d's and one of torch's;
+    the bubble itself is measured by the lead."""
     import json
 
     from course_lib.course.bench import __main__ as bench_cli
@@ -246,9 +247,14 @@ def test_pipeline_benchmark_runs_end_to_end(tmp_path):
     out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     assert bench_cli.main(["pipeline", "--stages", "2", "--microbatches", "1,2", "--width", "16",
                            "--layers-per-stage", "1", "--microbatch-size", "2", "--repeats", "2",
-                           "--warmup", "0", "--json", str(out), "--plot", str(png)]) == 0
+                           "--warmup", "0", "--torch", "interleaved",
+                           "--json", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["schedule"], r["m"], r["peak_live_per_stage"]) for r in rows] == [
+    assert [(r["schedule"], r["m"], r.get("peak_live_per_stage")) for r in rows[:4]] == [
         ("gpipe", 1, "1/1"), ("gpipe", 2, "2/2"), ("1f1b", 1, "1/1"), ("1f1b", 2, "2/1")]
-    assert all(0 < r["bubble"] < 1 and r["step_s"] > 0 for r in rows)
+    assert [(r["schedule"], r["m"]) for r in rows[4:]] == [
+        (name, m) for name in ("interleaved", "zb-h1", "zbv", "torch interleaved")
+        for m in (1, 2)]
+    assert all(0 < r["bubble"] < 1 and 0 < r["ideal_bubble"] < 1 for r in rows[:10])
+    assert all(r["step_s"] > 0 for r in rows)
     assert png.stat().st_size > 0

@@ -15,6 +15,7 @@ COMPONENTS = {
     "fsdp": "08b_fsdp",
     "layout": "11a_layout_precision",
     "pipeline": "07c_pipeline_schedules",
+    "pipeline_schedules": "07d_pipeline_schedules_beyond",
     "pipeline_split": "07a_pipeline_split",
     "pipeline_stage": "07b_pipeline_messages",
     "planning": "11c_learn_build_buy",

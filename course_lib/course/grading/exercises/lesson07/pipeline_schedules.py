@@ -77,9 +77,9 @@ for _which, _name, _hints in (
              "the next stage, goes backward through what F of mb kept, and the gradient of this "
              "stage's input goes to the previous stage."),
           N_("Take micro-batch mb's own stash, never another's (none is an error). The last stage "
-             "has no incoming gradient: it starts from its scaled loss. Post the next gradient's "
-             "receive once this one has arrived, and time the backward in the schedule's "
-             "measure, as F times its compute.")))):
+             "has no incoming gradient: it starts from its scaled loss. Receive a gradient only "
+             "when its B runs: the next stage sends it after an activation this stage sends "
+             "first. Time the backward in the schedule's measure, as F times its compute.")))):
     register_on_sub_worlds(
         f"lesson07.{_name}", PART_C,
         params=("sched", "mb"),

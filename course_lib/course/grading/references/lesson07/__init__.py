@@ -1,4 +1,6 @@
 """Lesson 07's expected values and explanations (judge side: see this package's docstring).
+Parts a to c are here; part d's (the interleaved order's gold lists, the backward split, the
+matching rule) are in `beyond`, re-exported at the end.
 
 Components (course_lib.ddp, ...) are imported inside the functions that use them, on
 purpose: the learner's overlay decides at each call which version runs (theirs or the
@@ -372,3 +374,8 @@ def _explain_order(schedule: str, case: Any, expected: Any, got: Any) -> str | N
     first = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
     return _("stage {s}'s action {i} is {got}; {schedule} runs {want} there", s=s, i=first,
              got=_name(got[first]), schedule=schedule, want=_name(expected[first]))
+
+
+from course_lib.course.grading.references.lesson07.beyond import (  # noqa: E402 - 07d's part
+    explain_conflict, explain_interleaved, explain_split, first_conflict, interleaved_order,
+    split_step)
