@@ -10,7 +10,7 @@ import sys
 from course_lib.course.bench.common import format_table, write_json
 from course_lib.course.bench import report
 
-BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train")
+BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train", "ring_attention")
 
 
 def without_outputs(argv: list[str]) -> list[str]:
