@@ -30,26 +30,31 @@ def no_sync(ddp: nn.Module) -> Iterator[None]:
 # %% solutions/05_grad_accumulation.ipynb, cell 14
 def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                      micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """One optimizer step over equal-sized micro-batches that equals one step over their union
-    (one all_reduce on a DDP `model`); returns the loss of the whole batch, as a float."""
-    k = len(micro_batches)
-    if k == 0:
+                      micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                      ) -> float:
+    """One optimizer step over micro-batches `(x, y, mask)` of padded sequences (`mask` True on
+    the real tokens; any sizes and lengths) that equals one step on the per-token loss of every
+    real token of the step, all the ranks of a DDP `model` together (the gradient exchanged
+    once); `loss_fn(output, y)` gives each token's loss. Returns this rank's loss per real token,
+    as a float."""
+    if not micro_batches:
         raise ValueError("accumulation_step needs at least one micro-batch")
-    sizes = {len(x) for x, _ in micro_batches}
-    if len(sizes) != 1:
-        raise ValueError(f"micro-batches must have equal sizes for 1/k scaling, got {sizes}")
+    ddp = hasattr(model, "no_sync")
+    mine = sum(int(mask.sum()) for _, _, mask in micro_batches)
+    count = torch.tensor(mine)
+    if ddp:  # the step's real tokens, every rank's, known before any backward
+        model.dist.all_reduce(count, group=model.group)
+    scale = (model.world_size if ddp else 1) / count.item()  # the wrapper averages gradients
     total = 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == k - 1
-        skip_sync = model.no_sync() if hasattr(model, "no_sync") and not last else None
-        with skip_sync or contextlib.nullcontext():
-            loss = loss_fn(model(x), y) / k
-            loss.backward()
-        total += loss.item()
+    for i, (x, y, mask) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            summed = loss_fn(model(x), y)[mask].sum()
+            (summed * scale).backward()
+        total += summed.item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total / max(mine, 1)
 
 
 # %% solutions/05_grad_accumulation.ipynb, cell 23

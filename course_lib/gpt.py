@@ -6,6 +6,9 @@ norm and an output head tied to the token embedding. The model is an `nn.Sequent
 (embedding, blocks..., head) so a pipeline stage is a slice of it, and the attention and MLP
 keep lesson 06's attribute names (`qkv`, `out_proj`, `fc1`, `fc2`) and forward function, so
 tensor parallelism swaps them for their sharded versions without changing the arithmetic.
+`GPTConfig.dropout` (off by default) drops the MLP's hidden units, the heads' outputs and both
+residual branches, each mask drawn through the RNG tracker (`course_lib.rng`), as lesson 06's
+layers draw theirs: seed it with `seed_streams` before training with dropout on.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         TensorParallelAttention, TensorParallelMLP,
                                         attention_forward)
+from course_lib.tp_layers import TrackedDropout
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    dropout: float = 0.0  # through the RNG tracker; 0: no random draw at all
 
 
 def load_text(name: str = "shakespeare") -> str:
@@ -64,9 +69,9 @@ __all__ = ["GPTConfig", "load_text", "CharTokenizer", "SelfAttention", "MLP", "B
     "Head", "GPT", "set_activation_checkpointing", "parallelize_blocks"]
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(TrackedDropout, nn.Module):
     """Causal multi-head self-attention with a packed q, k, v projection; the forward is
-    lesson 06's `attention_forward`, with every head local."""
+    lesson 06's `attention_forward`, with every head local. Dropout as `TrackedDropout`."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -76,18 +81,22 @@ class SelfAttention(nn.Module):
         self.local_heads, self.head_dim, self.causal = cfg.n_head, cfg.n_embd // cfg.n_head, True
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+        self._install_dropout(self.out_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return attention_forward(self, x)
 
 
-class MLP(nn.Module):
-    """fc2(gelu(fc1(x))), four times wider inside."""
+class MLP(TrackedDropout, nn.Module):
+    """fc2(gelu(fc1(x))), four times wider inside. Dropout as `TrackedDropout`."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.fc2 = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+        self._install_dropout(self.fc2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -182,15 +191,18 @@ def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
 
 def parallelize_blocks(model: nn.Module, *, dist: Any = None, group: Any = None) -> None:
     """Swap each block's attention and MLP for lesson 06's tensor-parallel versions holding this
-    rank's heads and hidden units of the same weights; embeddings, norms and head stay whole."""
+    rank's heads and hidden units of the same weights (and their dropout); embeddings, norms and
+    head stay whole."""
     for m in model.modules():
         if not isinstance(m, Block):
             continue
         attn = m.attn
         with torch.random.fork_rng(devices=[]):  # their own inits are overwritten here
             tp = TensorParallelAttention(attn.embed_dim, attn.num_heads, causal=True, dist=dist,
-                                         group=group)
-            m.mlp = TensorParallelMLP.from_linears(m.mlp.fc1, m.mlp.fc2, dist=dist, group=group)
+                                         group=group, dropout=attn.dropout, tracker=attn.tracker)
+            m.mlp = TensorParallelMLP.from_linears(m.mlp.fc1, m.mlp.fc2, dist=dist, group=group,
+                                                   dropout=m.mlp.dropout, tracker=m.mlp.tracker)
         tp.qkv = ColumnParallelLinear.from_linear(attn.qkv, dist=dist, group=group, parts=3)
         tp.out_proj = RowParallelLinear.from_linear(attn.out_proj, dist=dist, group=group)
+        tp._install_dropout(tp.out_proj)
         m.attn = tp

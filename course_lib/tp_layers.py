@@ -13,8 +13,12 @@ lesson's functions into their hooks:
 
 What is here is what no exercise asks for: the group, its size and this rank, the size checks,
 the row-parallel bias made equal on every rank, and taking this rank's shard of a full
-`nn.Linear` or `nn.MultiheadAttention`. This module imports nothing from
-`course_lib.tensor_parallel`.
+`nn.Linear` or `nn.MultiheadAttention`, and dropout (`dropout=p`, off by default) drawn
+through the RNG tracker (`course_lib.rng`): on the sharded activation (the MLP's hidden
+features, the attention's heads before `out_proj`) from the `SHARDED` stream, one per TP rank;
+on the whole output, which every rank of the group holds, from the `REPLICATED` stream, the
+same on every rank of the group. Hooks apply it, so the lesson's forwards stay as they are.
+This module imports nothing from `course_lib.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.backend import default_dist, global_rank
+from course_lib.rng import REPLICATED, SHARDED, RNGStatesTracker, get_rng_tracker
 
-__all__ = ["divide", "ParallelLinear", "ColumnParallel", "RowParallel", "ParallelMLP",
+__all__ = ["divide", "TrackedDropout", "ParallelLinear", "ColumnParallel", "RowParallel", "ParallelMLP",
            "HeadParallelAttention"]
 
 
@@ -37,6 +42,35 @@ def divide(n: int, world_size: int, what: str) -> int:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel group size "
                          f"({world_size}); choose sizes that split evenly")
     return n // world_size
+
+
+class TrackedDropout:
+    """Dropout with probability `dropout` on a TP module's sharded activation (the input of its
+    row-parallel layer, `inner`) and on its output, each drawn from its stream of `tracker`
+    (default: the process's, `course_lib.rng.get_rng_tracker()`), only in training mode."""
+
+    dropout: float = 0.0
+    tracker: RNGStatesTracker | None = None
+
+    def _drop(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        if not (self.training and self.dropout):
+            return x
+        tracker = self.tracker or get_rng_tracker()
+        with tracker.fork(stream):
+            return F.dropout(x, self.dropout, training=True)
+
+    def _drop_input(self, module: nn.Module, args: tuple) -> tuple:  # `inner`'s pre-hook
+        return (self._drop(args[0], SHARDED), *args[1:])
+
+    def _drop_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return self._drop(out, REPLICATED)
+
+    def _install_dropout(self, inner: nn.Module) -> None:
+        """Hook `inner` (its input is sharded) and this module (its output is replicated)."""
+        for handle in getattr(self, "_dropout_hooks", []):
+            handle.remove()
+        self._dropout_hooks = [inner.register_forward_pre_hook(self._drop_input),
+                               self.register_forward_hook(self._drop_output)]
 
 
 class ParallelLinear(nn.Module):
@@ -150,50 +184,58 @@ class RowParallel(ParallelLinear):
         return cls._sliced(linear, input_is_parallel=input_is_parallel, dist=dist, group=group)
 
 
-class ParallelMLP(nn.Module):
+class ParallelMLP(TrackedDropout, nn.Module):
     """fc2(activation(fc1(x))) with fc1 a `column` layer and fc2 a `row` layer (the classes a
-    subclass names): each rank holds 1/p of both weight matrices."""
+    subclass names): each rank holds 1/p of both weight matrices. `dropout`: see
+    `TrackedDropout` (fc2's input, then the output)."""
 
     column: type[ColumnParallel]
     row: type[RowParallel]
 
     def __init__(self, d_model: int, d_hidden: int, bias: bool = True, *,
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu, dist: Any = None,
-                 group: Any = None):
+                 group: Any = None, dropout: float = 0.0,
+                 tracker: RNGStatesTracker | None = None):
         super().__init__()
         self.fc1 = self.column(d_model, d_hidden, bias, dist=dist, group=group)
         self.fc2 = self.row(d_hidden, d_model, bias, dist=dist, group=group)
         self.activation = activation
+        self.dropout, self.tracker = dropout, tracker
+        self._install_dropout(self.fc2)
 
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, *,
                      activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
-                     dist: Any = None, group: Any = None) -> "ParallelMLP":
+                     dist: Any = None, group: Any = None, dropout: float = 0.0,
+                     tracker: RNGStatesTracker | None = None) -> "ParallelMLP":
         """This rank's shard of the unsplit MLP `fc2(activation(fc1(x)))`."""
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"fc1 gives {fc1.out_features} features but fc2 takes "
                              f"{fc2.in_features}")
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             mlp = cls(fc1.in_features, fc1.out_features, activation=activation, dist=dist,
-                      group=group)
+                      group=group, dropout=dropout, tracker=tracker)
         mlp.fc1 = cls.column.from_linear(fc1, dist=dist, group=group)
         mlp.fc2 = cls.row.from_linear(fc2, dist=dist, group=group)
+        mlp._install_dropout(mlp.fc2)
         return mlp
 
 
-class HeadParallelAttention(nn.Module):
+class HeadParallelAttention(TrackedDropout, nn.Module):
     """Multi-head self-attention split by heads: each rank owns `local_heads = num_heads / p`
     heads, `head_dim` features each: its rows of the packed q, k, v projection (`qkv`, a
     `column` layer with `parts=3`) and the matching columns of the output projection
     (`out_proj`, a `row` layer). Inputs are (batch, seq, embed_dim), as for
-    `nn.MultiheadAttention(batch_first=True)`; `causal` masks the future.
+    `nn.MultiheadAttention(batch_first=True)`; `causal` masks the future. `dropout`: see
+    `TrackedDropout` (this rank's heads' outputs, before `out_proj`, then the output).
     """
 
     column: type[ColumnParallel]
     row: type[RowParallel]
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, *,
-                 causal: bool = False, dist: Any = None, group: Any = None):
+                 causal: bool = False, dist: Any = None, group: Any = None,
+                 dropout: float = 0.0, tracker: RNGStatesTracker | None = None):
         super().__init__()
         d = default_dist(dist)
         if embed_dim % num_heads:
@@ -205,10 +247,13 @@ class HeadParallelAttention(nn.Module):
         # One packed projection; this rank's rows are [its q heads; its k heads; its v heads].
         self.qkv = self.column(embed_dim, 3 * embed_dim, bias, dist=d, group=group, parts=3)
         self.out_proj = self.row(embed_dim, embed_dim, bias, dist=d, group=group)
+        self.dropout, self.tracker = dropout, tracker
+        self._install_dropout(self.out_proj)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, *, causal: bool = False, dist: Any = None,
-                   group: Any = None) -> "HeadParallelAttention":
+                   group: Any = None, dropout: float = 0.0,
+                   tracker: RNGStatesTracker | None = None) -> "HeadParallelAttention":
         """This rank's heads of a full `nn.MultiheadAttention(batch_first=True)`."""
         if not (mha.batch_first and mha._qkv_same_embed_dim) or mha.bias_k is not None:
             raise ValueError("expected nn.MultiheadAttention(batch_first=True) with kdim = vdim "
@@ -216,7 +261,7 @@ class HeadParallelAttention(nn.Module):
         has_bias = mha.in_proj_bias is not None
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             attn = cls(mha.embed_dim, mha.num_heads, has_bias, causal=causal, dist=dist,
-                       group=group)
+                       group=group, dropout=dropout, tracker=tracker)
         packed = nn.Linear(mha.embed_dim, 3 * mha.embed_dim, bias=has_bias,
                            dtype=mha.in_proj_weight.dtype)
         with torch.no_grad():
@@ -225,4 +270,5 @@ class HeadParallelAttention(nn.Module):
                 packed.bias.copy_(mha.in_proj_bias)
         attn.qkv = cls.column.from_linear(packed, dist=dist, group=group, parts=3)
         attn.out_proj = cls.row.from_linear(mha.out_proj, dist=dist, group=group)
+        attn._install_dropout(attn.out_proj)
         return attn

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from course_lib.data import DistributedSampler
+from course_lib.rng import get_rng_tracker
 from course_lib.zero import Piece, ZeroRedundancyOptimizer, _units, sharded_state_dict
 from course_lib.cluster import EngineDied
 
@@ -137,15 +138,23 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def rng_state() -> dict:
-    """Every random stream a run may draw from on this rank: torch's, Python's and numpy's."""
+    """Every random stream a run may draw from on this rank: torch's, Python's and numpy's,
+    the RNG tracker's streams (`course_lib.rng`, when seeded) and each CUDA device's (when
+    CUDA is available)."""
     version, words, gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64),
-                       "gauss": gauss},
-            "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)),
-                      "pos": int(np_pos), "has_gauss": int(np_has_gauss),
-                      "gauss": float(np_gauss)}}
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64),
+                        "gauss": gauss},
+             "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                       "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+                       "gauss": float(np_gauss)}}
+    tracker = get_rng_tracker().get_states()
+    if tracker:
+        state["tracker"] = tracker
+    if torch.cuda.is_available():
+        state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -156,6 +165,11 @@ def set_rng_state(state: dict) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["gauss"]))
+    if "tracker" in state:
+        get_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state_all([cuda[str(i)] for i in range(len(cuda))])
 
 
 class ResumableSampler(DistributedSampler):

@@ -1,5 +1,6 @@
-"""Lesson 05 (gradient accumulation): p ranks x k micro-batches equal one batch of p*k*b, with
-one all_reduce per step, and the step returns that batch's loss; no_sync inside the library's
+"""Lesson 05 (gradient accumulation): p ranks x k micro-batches of padded sequences equal one
+step on the per-token loss of every real token of the step, with the gradient exchanged once
+per step, and the step returns this rank's loss per token; no_sync inside the library's
 DDP; the bytes autograd saves. Checked on 2, 3 and 4 ranks. The expected values and the
 explanations are judge-side (course_lib/course/grading/references/lesson05.py).
 
@@ -43,6 +44,38 @@ def flat_weights(model):
 
 # --- lesson05.accumulation_step ---------------------------------------------------------------
 
+SEQ = 5  # the padded length of every sequence in the token-weighted checks
+
+
+def sequences_for_checks(step: int, n: int):
+    """The global batch of step `step`: `n` sequences of 1 to SEQ real tokens, zero-padded to
+    SEQ; (x, y, mask) with mask True on the real tokens. Every rank draws the same."""
+    import torch
+
+    g = torch.Generator().manual_seed(300 + step)
+    lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
+    mask = torch.arange(SEQ) < lengths[:, None]
+    x = torch.randn(n, SEQ, IN, generator=g, dtype=torch.float64) * mask[..., None]
+    y = torch.randn(n, SEQ, OUT, generator=g, dtype=torch.float64) * mask[..., None]
+    return x, y, mask
+
+
+def token_loss(output, target):
+    """Each token's loss, shape (batch, seq): the squared error averaged over its features."""
+    return ((output - target) ** 2).mean(-1)
+
+
+def rank_micro_batches(step: int, rank: int, p: int, sizes: tuple):
+    """Rank `rank`'s micro-batches of step `step`: its share (every p-th sequence) of the
+    global batch, cut into micro-batches of `sizes` sequences each."""
+    x, y, mask = (t[rank::p] for t in sequences_for_checks(step, p * sum(sizes)))
+    out, start = [], 0
+    for size in sizes:
+        out.append((x[start:start + size], y[start:start + size], mask[start:start + size]))
+        start += size
+    return out
+
+
 def _what(value) -> object:
     """What a step returned, as the check shows it: a float as itself, anything else by type."""
     if isinstance(value, float):
@@ -50,25 +83,23 @@ def _what(value) -> object:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def _refuses(fn, micro_batches) -> bool:
-    """Whether fn refuses these micro-batches with a ValueError (on a model of its own)."""
+def _refuses(fn) -> bool:
+    """Whether fn refuses an empty list of micro-batches with a ValueError."""
     import torch
-    from torch import nn
 
     model = model_for_checks()
     try:
-        fn(model, torch.optim.SGD(model.parameters(), lr=LR), nn.functional.mse_loss,
-           micro_batches)
+        fn(model, torch.optim.SGD(model.parameters(), lr=LR), token_loss, [])
     except ValueError:
         return True
     return False
 
 
-def _accumulation_body(dist, rank: int, fn, k: int, b: int, steps: int, plain: bool) -> dict:
-    """`steps` calls of `fn` on this rank's k micro-batches of b samples, on a DDP model (or a
-    plain module): the weights after them, the all_reduce calls, and what each call returned."""
+def _accumulation_body(dist, rank: int, fn, sizes: tuple, steps: int, plain: bool) -> dict:
+    """`steps` calls of `fn` on this rank's micro-batches (`sizes` sequences each), on a DDP
+    model (or a plain module): the weights after them, the all_reduce calls, and what each
+    call returned."""
     import torch
-    from torch import nn
 
     from course_lib.ddp import DistributedDataParallel
 
@@ -80,37 +111,33 @@ def _accumulation_body(dist, rank: int, fn, k: int, b: int, steps: int, plain: b
     dist.reset()
     returned = []
     for step in range(steps):
-        x, y = batch_for_checks(step, p * k * b)
-        x, y = x[rank::p], y[rank::p]
-        returned.append(_what(fn(model, opt, nn.functional.mse_loss,
-                                 [(x[m * b:(m + 1) * b], y[m * b:(m + 1) * b])
-                                  for m in range(k)])))
+        returned.append(_what(fn(model, opt, token_loss,
+                                 rank_micro_batches(step, rank, p, sizes))))
     out = {"weights": flat_weights(model), "all_reduce calls": dist.calls["all_reduce"],
            "returned losses": returned}
     if plain:
-        x, y = batch_for_checks(0, 3)
-        out["ValueError for no micro-batch"] = _refuses(fn, [])
-        out["ValueError for unequal micro-batches"] = _refuses(fn, [(x[:2], y[:2]),
-                                                                   (x[2:], y[2:])])
+        out["ValueError for no micro-batch"] = _refuses(fn)
     return out
 
 
-def accumulation_harness(fn, rank: int, world_size: int, p: int, k: int, b: int, steps: int,
+def accumulation_harness(fn, rank: int, world_size: int, p: int, sizes: tuple, steps: int,
                          plain: bool = False):
-    return on_first_ranks(p, _accumulation_body, fn, k, b, steps, plain)
+    return on_first_ranks(p, _accumulation_body, fn, tuple(sizes), steps, plain)
 
 
 register_on_sub_worlds(
     "lesson05.accumulation_step", "05_grad_accumulation",
     params=("model", "optimizer", "loss_fn", "micro_batches"),
     cases=[
-        case(RANK, WORLD_SIZE, 2, 4, 2, 3, label="2 ranks, k=4 micro-batches of 2, 3 steps"),
-        case(RANK, WORLD_SIZE, 3, 1, 4, 2, label="3 ranks, k=1 (a plain DDP step), 2 steps"),
-        case(RANK, WORLD_SIZE, 3, 2, 3, 2, label="3 ranks, k=2 micro-batches of 3, 2 steps"),
-        case(RANK, WORLD_SIZE, 4, 3, 1, 2, label="4 ranks, k=3 micro-batches of 1, 2 steps"),
-        case(RANK, WORLD_SIZE, 2, 2, 2, 2, True,
-             label="2 ranks, plain modules (no no_sync), k=2 of 2, 2 steps; [] and unequal "
-                   "sizes refused"),
+        case(RANK, WORLD_SIZE, 2, (2, 2, 2, 2), 3,
+             label="2 ranks, k=4 micro-batches of 2 sequences, 3 steps"),
+        case(RANK, WORLD_SIZE, 3, (4,), 2, label="3 ranks, k=1 (a plain DDP step), 2 steps"),
+        case(RANK, WORLD_SIZE, 3, (3, 1), 2,
+             label="3 ranks, k=2 micro-batches of 3 and 1 sequences, 2 steps"),
+        case(RANK, WORLD_SIZE, 4, (1, 2, 1), 2,
+             label="4 ranks, k=3 micro-batches of 1, 2, 1 sequences, 2 steps"),
+        case(RANK, WORLD_SIZE, 2, (2, 1), 2, True,
+             label="2 ranks, plain modules (no no_sync), k=2 of 2 and 1, 2 steps; [] refused"),
     ],
     reference="lesson05:accumulation_step",
     explain="lesson05:explain_accumulation_step",
@@ -118,14 +145,14 @@ register_on_sub_worlds(
     points=2,
     rtol=1e-7,
     atol=1e-9,
-    hints=("One step over k micro-batches must equal one step over their union: the gradient "
-           "that reaches the optimizer is the mean over all k*b samples, the ranks exchange it "
-           "once, the optimizer steps once, and the value returned is the mean loss of those "
-           "k*b samples.",
-           "A loss that averages over its micro-batch, summed k times, is k times the mean "
-           "over the union: shrink each micro-batch's share before its backward. Only the "
-           "last backward of the step may reach the hooks that communicate; the earlier ones "
-           "run with syncing off, where the model offers that switch."),
+    hints=("One step over k micro-batches on p ranks must equal one step on the per-token loss "
+           "of all the real tokens of the step, every rank's together: each real token weighs "
+           "the same, wherever it sits, and padding weighs nothing. The ranks exchange the "
+           "gradient once, the optimizer steps once.",
+           "The step's number of real tokens is known before any backward: count this rank's, "
+           "then the world's. Each micro-batch's summed token loss, divided by that number, "
+           "is its exact share; remember that the wrapper averages the ranks' gradients, it "
+           "does not add them."),
 )
 
 

@@ -6,51 +6,83 @@ import torch
 from torch import nn
 
 from course_lib.course.grading.exercises.lesson05 import (LR, batch_for_checks, flat_weights,
-                                                   model_for_checks, saving_input, saving_model)
-from course_lib.i18n import _
+                                                   model_for_checks, rank_micro_batches,
+                                                   saving_input, saving_model, token_loss)
+from course_lib.i18n import N_, _
 
 # --- lesson05.accumulation_step ---------------------------------------------------------------
 
 
-def _run(rank: int, p: int, k: int, b: int, steps: int, plain: bool, *, grad_scale: float = 1.0,
-         step_each_micro_batch: bool = False) -> tuple[torch.Tensor, list[float]]:
-    """One process doing what `rank` of p ranks does in the check: the weights after `steps`
-    steps, and the loss of this rank's k*b samples before each step. The DDP ranks' average
-    over the union of their batches is one large batch; a plain module sees its own only.
-    `grad_scale` and `step_each_micro_batch` give the runs of two classic mistakes."""
+def _run(rank: int, p: int, k: int, b: int, steps: int, plain: bool) -> tuple[torch.Tensor, list]:
+    """no_sync's reference: what `rank` of p ranks ends with after `steps` steps of k equal
+    micro-batches of b samples, the large batch's weights (a plain module: its own samples)."""
+    model = model_for_checks()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = batch_for_checks(step, p * k * b)
+        if plain:
+            x, y = x[rank::p], y[rank::p]
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat_weights(model), []
+
+
+# How a step weighs the tokens: the right one and the classic mistakes, each as the objective
+# one process minimizes over every rank's micro-batches (DDP averages the ranks' gradients).
+def _objective(model, ranks: list, mode: str) -> torch.Tensor:
+    p = len(ranks)
+    n_all = sum(int(m.sum()) for micro in ranks for _, _, m in micro)
+    positions = sum(m.numel() for micro in ranks for _, _, m in micro)
+    total = torch.zeros((), dtype=torch.float64)
+    for micro in ranks:
+        n_rank = sum(int(m.sum()) for _, _, m in micro)
+        for x, y, m in micro:
+            loss = token_loss(model(x), y)
+            if mode == "tokens":
+                total = total + loss[m].sum() / n_all
+            elif mode == "no world":  # the count is global, the wrapper's average is not undone
+                total = total + loss[m].sum() / n_all / p
+            elif mode == "local count":  # each rank divides by its own count
+                total = total + loss[m].sum() / n_rank / p
+            elif mode == "mean / k":  # each micro-batch's mean over its real tokens, / k
+                total = total + loss[m].mean() / len(micro) / p
+            elif mode == "padding":  # padding counted: every position, numerator and count
+                total = total + loss.sum() / positions
+    return total
+
+
+def _run_tokens(rank: int, p: int, sizes: tuple, steps: int, plain: bool,
+                mode: str = "tokens") -> tuple[torch.Tensor, list[float]]:
+    """One process doing what `rank` of p ranks does in the check, weighing tokens as `mode`
+    says: the weights after `steps` steps, and this rank's loss per real token before each."""
     model = model_for_checks()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        x, y = batch_for_checks(step, p * k * b)
+        everyone = [rank_micro_batches(step, r, p, sizes) for r in range(p)]
+        mine = everyone[rank]
         with torch.no_grad():
-            losses.append(nn.functional.mse_loss(model(x[rank::p]), y[rank::p]).item())
-        shares = [x[rank::p]] if plain else [x[r::p] for r in range(p)]
-        targets = [y[rank::p]] if plain else [y[r::p] for r in range(p)]
-        groups = ([list(range(m * b, (m + 1) * b)) for m in range(k)] if step_each_micro_batch
-                  else [list(range(k * b))])
-        for rows in groups:
-            bx = torch.cat([s[rows] for s in shares])
-            by = torch.cat([t[rows] for t in targets])
-            scale = grad_scale * len(rows) / (k * b)  # this group's share of the step
-            (scale * nn.functional.mse_loss(model(bx), by)).backward()
-            opt.step()
-            opt.zero_grad()
+            summed = sum(token_loss(model(x), y)[m].sum() for x, y, m in mine)
+            losses.append(float(summed / sum(int(m.sum()) for _, _, m in mine)))
+        _objective(model, [mine] if plain else everyone, mode).backward()
+        opt.step()
+        opt.zero_grad()
     return flat_weights(model), losses
 
 
-def accumulation_step(rank: int, world_size: int, p: int, k: int, b: int, steps: int,
+def accumulation_step(rank: int, world_size: int, p: int, sizes: tuple, steps: int,
                       plain: bool = False) -> dict | None:
-    """What rank `rank` of a world of p must end with: the large batch's weights, one
-    all_reduce per step (none on a plain module), and each step's loss of its k*b samples."""
+    """What rank `rank` of a world of p must end with: the weights of steps on the per-token
+    loss of all the step's real tokens, two all_reduces per step (the count, the gradient;
+    none on a plain module), and each step's loss per real token of this rank."""
     if rank >= p:
         return None
-    weights, losses = _run(rank, p, k, b, steps, plain)
-    out = {"weights": weights, "all_reduce calls": 0 if plain else steps,
+    weights, losses = _run_tokens(rank, p, tuple(sizes), steps, plain)
+    out = {"weights": weights, "all_reduce calls": 0 if plain else 2 * steps,
            "returned losses": losses}
     if plain:
         out["ValueError for no micro-batch"] = True
-        out["ValueError for unequal micro-batches"] = True
     return out
 
 
@@ -65,71 +97,61 @@ def _same_floats(got: list, want: list) -> bool:
                     for g, w in zip(got, want)))
 
 
-def _micro_losses(rank: int, p: int, k: int, b: int, step: int, weights_run) -> list[float]:
-    """Each micro-batch's own (unscaled) loss at step `step`, on the reference's weights."""
-    model = model_for_checks()
-    x, y = batch_for_checks(step, p * k * b)
-    x, y = x[rank::p], y[rank::p]
-    with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(weights_run, model.parameters())
-        return [nn.functional.mse_loss(model(x[m * b:(m + 1) * b]), y[m * b:(m + 1) * b]).item()
-                for m in range(k)]
+_WEIGHT_MISTAKES = (
+    ("mean / k", N_("the weights of per-micro-batch means divided by k: a token of a short "
+                    "micro-batch weighs more than one of a long one; the large batch weighs "
+                    "every real token the same")),
+    ("padding", N_("the weights of a loss that counts the padding: padded positions are not "
+                   "tokens, neither in the sum nor in the count")),
+    ("local count", N_("the weights of each rank dividing by its own count of real tokens: "
+                       "ranks holding fewer tokens weigh each of theirs more; the count is the "
+                       "step's, over every rank")),
+    ("no world", N_("the weights of steps {p} times too small: the wrapper averages the {p} "
+                    "ranks' gradients, and the step's loss is their sum")),
+)
 
 
 def explain_accumulation_step(case, rank, expected, got) -> str | None:
-    """The first broken promise, in the order that hides the others least: the communication,
-    then the weights (unscaled losses; a step per micro-batch), then the returned losses (not a
-    float; the last micro-batch's; k times too large), then the refusals."""
+    """The first broken promise, in the order that hides the others least: the weights of a
+    classic way of weighing tokens wrongly, the communication, then the returned losses, then
+    the refusal."""
     if expected is None or not isinstance(got, dict) or set(got) != set(expected):
         return None
-    p, k, b, steps = case.args[2:6]
-    plain = bool(case.args[6]) if len(case.args) > 6 else False
+    p, sizes, steps = case.args[2], tuple(case.args[3]), case.args[4]
+    plain = bool(case.args[5]) if len(case.args) > 5 else False
+    right_weights = _close(got["weights"], expected["weights"])
+    if not right_weights:
+        for mode, reason in _WEIGHT_MISTAKES:
+            if plain and mode in ("no world", "local count"):
+                continue
+            if _close(got["weights"], _run_tokens(rank, p, sizes, steps, plain, mode)[0]):
+                return _(reason, p=p)
     calls, want_calls = got["all_reduce calls"], expected["all_reduce calls"]
     if calls != want_calls:
-        if not plain and calls == k * steps:
-            return _("{calls} all_reduce calls in {steps} steps: one per micro-batch; a step "
-                     "of k micro-batches communicates once, on the last", calls=calls,
-                     steps=steps)
+        k = len(sizes)
+        if not plain and calls == (k + 1) * steps:
+            return _("{calls} all_reduce calls in {steps} steps: the gradient on every "
+                     "micro-batch; a step of k micro-batches exchanges it once, on the last",
+                     calls=calls, steps=steps)
+        if not plain and calls == steps:
+            return _("{calls} all_reduce calls in {steps} steps, one per step: the gradient's, "
+                     "but the number of real tokens of the step never crossed the ranks",
+                     calls=calls, steps=steps)
         return _("{calls} all_reduce calls in {steps} steps, {want} expected", calls=calls,
                  steps=steps, want=want_calls)
-    if not _close(got["weights"], expected["weights"]):
-        if k > 1 and _close(got["weights"], _run(rank, p, k, b, steps, plain, grad_scale=k)[0]):
-            return _("the weights of steps {k} times too large: each of the {k} micro-batch "
-                     "losses already averages over its samples, so their gradients add up to "
-                     "{k} times the large batch's", k=k)
-        if k > 1 and _close(got["weights"],
-                            _run(rank, p, k, b, steps, plain, step_each_micro_batch=True)[0]):
-            return _("the weights of an optimizer step after every micro-batch: the large "
-                     "batch takes one step, after the last of its {k} micro-batches", k=k)
+    if not right_weights:
         return None
     returned, want = got["returned losses"], expected["returned losses"]
     if not _same_floats(returned, want):
         if isinstance(returned, list) and any(not isinstance(r, float) for r in returned):
             kind = next(r for r in returned if not isinstance(r, float))
-            return _("returns {kind}: the exercise asks for the loss of the whole batch, as a "
-                     "Python float", kind=kind)
-        micro = [_micro_losses(rank, p, k, b, s, _weights_before(rank, p, k, b, s, plain))
-                 for s in range(steps)]
-        if _same_floats(returned, [m[-1] for m in micro]) or \
-                _same_floats(returned, [m[-1] / k for m in micro]):
-            return _("returns the loss of the last micro-batch; the step's loss is that of all "
-                     "{k} micro-batches together, this rank's {n} samples", k=k, n=k * b)
-        if _same_floats(returned, [k * w for w in want]):
-            return _("returns {k} times the whole batch's loss: the micro-batch losses each "
-                     "average over their own samples", k=k)
-        return _("returns losses that are not those of this rank's whole batch ({n} samples) "
-                 "before each step", n=k * b)
-    for key, what in (("ValueError for no micro-batch", _("an empty list of micro-batches")),
-                      ("ValueError for unequal micro-batches",
-                       _("micro-batches of unequal sizes"))):
-        if got[key] is not True:
-            return _("accepts {what} instead of raising ValueError", what=what)
+            return _("returns {kind}: the exercise asks for this rank's loss per real token, "
+                     "as a Python float", kind=kind)
+        return _("returns losses that are not this rank's loss per real token before each "
+                 "step")
+    if got["ValueError for no micro-batch"] is not True:
+        return _("accepts an empty list of micro-batches instead of raising ValueError")
     return None
-
-
-def _weights_before(rank: int, p: int, k: int, b: int, step: int, plain: bool) -> torch.Tensor:
-    """The reference's weights at the start of step `step`."""
-    return _run(rank, p, k, b, step, plain)[0]
 
 
 # --- lesson05.no_sync ----------------------------------------------------------------------------
@@ -140,7 +162,7 @@ def no_sync(rank: int, world_size: int, k: int, m: int, b: int, steps: int, scen
     per step, and syncing back on after the blocks."""
     if rank >= k:
         return None
-    weights, _losses = _run(rank, k, m, b, steps, False)
+    weights, _unused = _run(rank, k, m, b, steps, False)
     return {"weights": weights, "all_reduce calls per step": [1] * steps,
             "require_backward_grad_sync after": True}
 
