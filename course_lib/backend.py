@@ -83,6 +83,24 @@ def default_dist(dist: Any = None) -> Any:
     return scratch
 
 
+def comm_device(dist: Any = None, group: Any = None) -> Any:
+    """Where `dist` wants small *control* tensors (shape signatures, JSON bytes, flags, loss
+    shares): the current CUDA device for a group whose backend is NCCL only, else the CPU
+    (gloo, the scratch backend, MPI, and "cpu:gloo,cuda:nccl", whose CPU tensors travel over
+    gloo). *Data* tensors (buckets, flat buffers, shards) go on their parameters' device."""
+    import torch
+
+    dist = default_dist(dist)
+    get_backend = getattr(dist, "get_backend", None)
+    try:
+        backend = str(get_backend(group)) if get_backend is not None else "scratch"
+    except (RuntimeError, ValueError, TypeError):  # no group initialized: nothing to talk to
+        backend = "none"
+    if "nccl" in backend.lower() and "cpu:" not in backend.lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def global_rank(dist: Any, group: Any, group_rank: int) -> int:
     """The global rank of `group`'s member number `group_rank` (src/dst take global ranks, as in
     torch); the world (group None) maps every rank to itself."""
@@ -163,6 +181,44 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
             raise RuntimeError(f"MPI rank {mpi.get_rank()} and rank {rank} disagree")
     elif backend != "none":
         check_backend(backend)  # raises: unknown backend
+
+
+def torchrun_init(device: str = "auto", env: Any = None) -> Any:
+    """Set up torch.distributed in a process torchrun started (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR in the environment) and return this rank's device, by the launch contract:
+    with CUDA, `torch.cuda.set_device(LOCAL_RANK)` *before* init, then the group
+    "cpu:gloo,cuda:nccl" bound to that GPU (`device_id`; CPU control tensors over gloo, CUDA
+    data over NCCL); without, gloo on the CPU. `device`: "cpu", "cuda", "cuda:N", or "auto"
+    (CUDA when every rank of this node has a GPU of its own, else the CPU). RANK is never a
+    device index: on the second node it is larger than the GPU count."""
+    import os
+
+    import torch
+    import torch.distributed as tdist
+
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_RANK")
+    if device == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        per_node = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        device = "cuda" if local is not None and 0 < per_node <= gpus else "cpu"
+    if device == "cpu":
+        tdist.init_process_group("gloo")
+        return torch.device("cpu")
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N' (CUDA "
+                         f"needs a torch that sees a GPU: {torch.cuda.is_available()=})")
+    if device == "cuda":
+        if local is None:
+            raise RuntimeError('device="cuda" under a launcher needs LOCAL_RANK (torchrun '
+                               "sets it) to pick this rank's GPU")
+        index = int(local)
+    else:
+        index = torch.device(device).index
+    chosen = torch.device("cuda", index)
+    torch.cuda.set_device(chosen)  # before init: NCCL binds its communicator to it
+    tdist.init_process_group("cpu:gloo,cuda:nccl", device_id=chosen)
+    return chosen
 
 
 def shutdown(backend: str) -> None:

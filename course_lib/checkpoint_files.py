@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from course_lib.backend import default_dist
+from course_lib.backend import comm_device, default_dist
 from course_lib.checkpoint_format import (FORMAT, MANIFEST, ST_DTYPE, CheckpointError, Crc32,
                                           crc32, map_file, parse_shard, read_manifest,
                                           read_shard, shard_name, shard_parts, verify,
@@ -111,16 +111,17 @@ def all_gather_json(obj: Any, dist: Any, group: Any, world: int) -> list[Any]:
     """Every rank's `obj`, in rank order, as JSON bytes in uint8 tensors (never pickled)."""
     if dist is None:
         return [obj]
-    data = json.dumps(obj).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    data, device = json.dumps(obj).encode(), comm_device(dist, group)  # CUDA under NCCL
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     longest = int(max(s.item() for s in sizes))
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
-    return [json.loads(bytes(t[:int(s.item())].numpy())) for t, s in zip(everyone, sizes)]
+    return [json.loads(bytes(t[:int(s.item())].cpu().numpy())) for t, s in zip(everyone, sizes)]
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:

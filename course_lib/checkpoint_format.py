@@ -83,6 +83,18 @@ def shard_parts(tensors: dict[str, torch.Tensor]) -> list:
     return [struct.pack("<Q", len(text)) + text] + [byte_view(t) for t in tensors.values()]
 
 
+def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` in host memory, before any byte of them is read through a host pointer (the
+    file writes and the CRC thread): GPU tensors are copied out, into pinned buffers without
+    blocking, then one synchronization; CPU tensors are kept as they are (no copy)."""
+    out = {k: t if t.device.type == "cpu" else torch.empty(
+               t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda"
+           ).copy_(t.detach(), non_blocking=True) for k, t in tensors.items()}
+    if any(t.device.type == "cuda" for t in tensors.values()):
+        torch.cuda.synchronize()
+    return out
+
+
 def write_shard(path: Path, tensors: dict[str, torch.Tensor],
                 write: Callable[[Path, list], None]) -> dict | None:
     """Write `tensors` as a safetensors file through `write(path, parts)` (the atomic writer),
@@ -90,7 +102,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor],
     None when there is nothing to write."""
     if not tensors:
         return None
-    parts = shard_parts(tensors)
+    parts = shard_parts(to_host(tensors))
     digest = Crc32()
     hasher = threading.Thread(target=lambda: [digest.update(p) for p in parts])
     hasher.start()  # zlib and file writes both release the GIL on large buffers

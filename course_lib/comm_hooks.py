@@ -85,14 +85,12 @@ def topk_hook(state: TopKState, bucket: Any) -> torch.futures.Future:
     all_values = [torch.empty_like(values) for _ in range(world)]
     works = [dist.all_gather(all_indices, indices, group=group, async_op=True),
              dist.all_gather(all_values, values, group=group, async_op=True)]
-
-    def decompress(_: torch.futures.Future) -> torch.Tensor:
-        buffer.zero_()
-        for idx, val in zip(all_indices, all_values):
-            buffer.index_add_(0, idx.long(), val)
-        return buffer.div_(world)
-
-    return torch.futures.collect_all([w.get_future() for w in works]).then(decompress)
+    for w in works:  # results are only valid after their own wait (NCCL: a stream wait)
+        w.wait()
+    buffer.zero_()
+    for idx, val in zip(all_indices, all_values):
+        buffer.index_add_(0, idx.long(), val)
+    return done(buffer.div_(world))
 
 
 # %% solutions/10b_sending_less.ipynb, cell 23

@@ -47,7 +47,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, *, dist: Any 
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for dtype, group_tensors in by_dtype.items():
-            flat = torch.empty(sum(t.numel() for t in group_tensors), dtype=dtype)
+            flat = group_tensors[0].new_empty(sum(t.numel() for t in group_tensors))
             flatten_into(flat, group_tensors)
             dist.broadcast(flat, src, group=group)
             offset = 0
@@ -73,7 +73,7 @@ def allreduce_grads_flat(params: Sequence[torch.Tensor], *, dist: Any = None,
     """Average gradients with a single all_reduce of one flat buffer (one large message)."""
     dist = default_dist(dist)
     grads = grads_of(params)
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+    flat = grads[0].new_empty(sum(g.numel() for g in grads))
     flatten_into(flat, grads)
     dist.all_reduce(flat, group=group)
     unflatten_to_grads(flat.div_(dist.get_world_size(group)), params)

@@ -44,7 +44,7 @@ def launch_bucket(ddp: "DistributedDataParallel", bucket: Bucket) -> Any:
             if id(p) not in bucket.ready:  # got no gradient (find_unused_parameters)
                 stage_grad(p.grad, view, ddp.grad_divisor)
         if ddp.find_unused_parameters:
-            bucket.flat[bucket.numel:] = torch.tensor(
+            bucket.flat[bucket.numel:] = bucket.flat.new_tensor(
                 [1.0 if id(p) in bucket.ready else 0.0 for p in bucket.params])
     return ddp.dist.all_reduce(bucket.flat, group=ddp.group, async_op=True)
 
@@ -121,7 +121,7 @@ class DistributedDataParallel(nn.Module):
         layout = (len(grouped), sum((i + 1) * sum(p.numel() for p in b) for i, b in enumerate(grouped)))
         check_same_tensors([p for _, p in named], "DistributedDataParallel", dist=self.dist,
                            group=group, extra=layout)
-        zeros = grad_bucket.bucket_zeros(self.dist, group)
+        zeros = grad_bucket.bucket_zeros(self.dist, group, device=named[0][1].device)
         self.buckets = [Bucket(b, find_unused_parameters, zeros) for b in grouped]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.view_of = {id(p): b.views[i] for b in self.buckets for i, p in enumerate(b.params)}

@@ -34,7 +34,8 @@ class _FlatParam:
         self.shard._zero_shard = True
         self.full = full.requires_grad_(requires_grad)  # a leaf: its .grad is the flat gradient
         # The same storage with a version counter of its own: the gathers write through it.
-        self.alias = torch.empty(0, dtype=full.dtype).set_(full.untyped_storage(), 0, full.shape)
+        self.alias = torch.empty(0, dtype=full.dtype, device=full.device).set_(
+            full.untyped_storage(), 0, full.shape)
         self.nbytes = full.untyped_storage().nbytes()
         self.gathering: Any = None  # the all-gather in flight
         self.gathered = True
@@ -82,7 +83,7 @@ def reduce_unit_grad(flat: _FlatParam, *, dist: Any = None, group: Any = None
     """After a unit's backward: start averaging its flat gradient into a new shard-sized
     tensor; drop the gradient from `flat.full` and free the gathered parameters."""
     grad, flat.full.grad = flat.full.grad, None
-    reduced = torch.empty(flat.layout.shard_numel, dtype=flat.layout.dtype)
+    reduced = flat.full.new_empty(flat.layout.shard_numel)
     work = reduce_scatter_grads(grad, reduced, dist=dist, group=group, async_op=True)
     flat.free()
     return work, reduced, grad

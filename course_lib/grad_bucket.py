@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from course_lib.backend import comm_device
+
 COMM_HOOK_TIMEOUT = 300.0  # seconds a bucket's hook future may take before it is an error
 
 
@@ -38,9 +40,11 @@ class Bucket:
     """
 
     def __init__(self, params: list[torch.Tensor], with_flags: bool,
-                 zeros: Callable[..., torch.Tensor] = torch.zeros):
+                 zeros: Callable[..., torch.Tensor] | None = None):
         self.params = params
         self.numel = sum(p.numel() for p in params)
+        # The buffer lives where the parameters do (their gradients are views of it).
+        zeros = zeros or functools.partial(torch.zeros, device=params[0].device)
         # With find_unused_parameters, one slot per parameter counts the ranks that used it.
         self.flat = zeros(self.numel + (len(params) if with_flags else 0), dtype=params[0].dtype)
         self.views = [v.view_as(p) for v, p in
@@ -57,12 +61,16 @@ def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
             and grad.stride() == view.stride())
 
 
-def bucket_zeros(dist: Any, group: Any = None) -> Callable[..., torch.Tensor]:
-    """How to allocate a bucket's flat buffer: where every rank of the group maps it, when the
-    dist can (the scratch backend's `shared_zeros`, lesson 10: its all_reduce then reads the
-    peers' buckets in place), else an ordinary tensor."""
+def bucket_zeros(dist: Any, group: Any = None,
+                 device: torch.device | str = "cpu") -> Callable[..., torch.Tensor]:
+    """How to allocate a bucket's flat buffer on `device` (its parameters'): where every rank
+    of the group maps it, when the dist can and the device is the CPU (the scratch backend's
+    `shared_zeros`, lesson 10: its all_reduce then reads the peers' buckets in place), else an
+    ordinary tensor on `device`."""
     shared_zeros = getattr(dist, "shared_zeros", None)
-    return functools.partial(shared_zeros, group=group) if shared_zeros else torch.zeros
+    if shared_zeros and torch.device(device).type == "cpu":
+        return functools.partial(shared_zeros, group=group)
+    return functools.partial(torch.zeros, device=device)
 
 
 class TimedWork:
@@ -94,10 +102,11 @@ def check_same_tensors(tensors: Sequence[torch.Tensor], what: str, *, dist: Any,
                         sum((i + 1) * t.numel() for i, t in enumerate(tensors)),
                         sum((i + 1) * len(s) + sum(s) for i, s in enumerate(shapes)),
                         sum((i + 1) * c for i, c in enumerate(codes)), *extra],
-                       dtype=torch.float64)
+                       dtype=torch.float64, device=comm_device(dist, group))
     world = dist.get_world_size(group)
     sigs = [torch.empty_like(sig) for _ in range(world)]
     dist.all_gather(sigs, sig, group=group)
+    sigs = [s.cpu() for s in sigs]
     differ = [r for r in range(1, world) if not torch.equal(sigs[r], sigs[0])]
     if differ:
         ranks = ", ".join(str(r) for r in differ)

@@ -86,9 +86,9 @@ def sharded_hierarchical_all_reduce(tensor: torch.Tensor, hosts: Hosts) -> None:
     flat = tensor.view(-1)
     n = flat.numel()
     size = -(-n // k)
-    padded = torch.zeros(size * k, dtype=flat.dtype)
+    padded = torch.zeros(size * k, dtype=flat.dtype, device=flat.device)
     padded[:n] = flat
-    share = torch.empty(size, dtype=flat.dtype)
+    share = torch.empty(size, dtype=flat.dtype, device=flat.device)
     if k > 1:
         dist.reduce_scatter(share, list(padded.chunk(k)), group=hosts.local)
     else:

@@ -83,7 +83,8 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     PowerSGD uses it up to rank 2 and QR above; so do we, to match it step for step)."""
     if matrices.shape[2] > 2 and matrices.dtype not in (torch.float16, torch.bfloat16):
         torch.linalg.qr(matrices, out=(matrices, torch.empty(
-            matrices.shape[0], matrices.shape[2], matrices.shape[2], dtype=matrices.dtype)))
+            matrices.shape[0], matrices.shape[2], matrices.shape[2], dtype=matrices.dtype,
+            device=matrices.device)))
         return
     for i in range(matrices.shape[2]):
         col = matrices[:, :, i:i + 1]
@@ -132,9 +133,11 @@ class PowerSGDState:
         if self.warm_start and index in self.qs:
             qs = self.qs[index]
         else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
-                qs = [torch.randn(1, m.shape[2], r, dtype=dtype) for m, r in zip(matrices, ranks)]
+            # A private CPU generator (torch's hook draws on the CPU too, then moves Q): seeding
+            # the global one would also reseed the training's CUDA generators.
+            g = torch.Generator(device="cpu").manual_seed(self.rng.randint(1_000_000_000))
+            qs = [torch.randn(1, m.shape[2], r, dtype=dtype, generator=g, device="cpu"
+                              ).to(m.device) for m, r in zip(matrices, ranks)]
             if self.warm_start:
                 self.qs[index] = qs
         for q in qs:

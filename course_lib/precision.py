@@ -25,7 +25,7 @@ def precision_forward(module: nn.Module, args: tuple, precision: str) -> torch.T
     dtype = PRECISIONS[precision]
     if dtype is None:
         return module(*args)
-    with torch.autocast("cpu", dtype=dtype):
+    with torch.autocast(args[0].device.type, dtype=dtype):  # the inputs' device: cpu or cuda
         out = module(*args)
     return out.float()
 

@@ -9,9 +9,12 @@ scaler and, with pp > 1, lesson 07's 1F1B schedule. `forward_backward(x, y)` lea
 gradients in `.grad`; what happens next (the reductions each axis needs, the scaler, the
 optimizer's step) is the lesson's exercise, `course_lib.train.train_step`, which `Run` adds.
 
-What a step reads here: `stage`, `layout`, `dist`, `optimizer`, `scaler`, `tied_weight` and
-`tied_group` (pp > 1: this rank's copy of the tied embedding and the group of its two copies),
-`dp_reduced_in_backward` (a wrapper already averaged the gradients over dp) and
+The model is drawn on the CPU (the same numbers on any device) and moved to `cfg.device`
+(`run_device`) before any wrapper; each step's batch follows it there.
+
+What a step reads here: `stage`, `layout`, `dist`, `device`, `optimizer`, `scaler`,
+`tied_weight` and `tied_group` (pp > 1: this rank's copy of the tied embedding and the group
+of its two copies), `dp_reduced_in_backward` (a wrapper already averaged the gradients over dp) and
 `stepped_tensors()` (what the optimizer updates).
 
 The run's numbers (`TrainConfig`, `check_config`, `learning_rate`) are in `course_lib.run_config`
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.backend import default_dist
+from course_lib.backend import comm_device, default_dist
 from course_lib.comm_hooks import bf16_compress_hook
 from course_lib.ddp import DistributedDataParallel
 from course_lib.gpt import (Block, CharTokenizer, GPT, load_text, parallelize_blocks,
@@ -38,14 +41,14 @@ from course_lib.layout import ParallelLayout, stage_layers
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.precision import DynamicLossScaler, Precision, precision_forward
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
-from course_lib.run_config import TrainConfig, check_config, learning_rate
+from course_lib.run_config import TrainConfig, check_config, learning_rate, run_device
 from course_lib.run_data import TextWindows, batches, split_text
 from course_lib.tensor_parallel import shard
 from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
 
-__all__ = ["TrainConfig", "check_config", "learning_rate", "TextWindows", "split_text", "batches",
-           "tied_groups", "RunBase", "wrap", "pipeline_schedule", "parallelize_blocks_torch",
-           "wrap_torch", "shard_units", "make_optimizer"]
+__all__ = ["TrainConfig", "check_config", "learning_rate", "run_device", "TextWindows",
+           "split_text", "batches", "tied_groups", "RunBase", "wrap", "pipeline_schedule",
+           "parallelize_blocks_torch", "wrap_torch", "shard_units", "make_optimizer"]
 
 
 def tied_groups(layout: ParallelLayout) -> Any:
@@ -72,6 +75,7 @@ class RunBase:
     def __init__(self, cfg: TrainConfig, dist: Any = None):
         self.cfg, self.dist = cfg, default_dist(dist)
         check_config(cfg, self.dist.get_world_size())
+        self.device = run_device(cfg.device)
         self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, dist=self.dist)
         self.tied_group = tied_groups(self.layout)
         c = self.layout.coords
@@ -82,6 +86,8 @@ class RunBase:
         self.data = batches(dataset, cfg.batch_size // cfg.dp, cfg.dp, c["dp"], cfg.seed)
         torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its part
         self.model = GPT(cfg.model_config(self.tokenizer.vocab_size))
+        # Drawn on the CPU (the same numbers on every device), moved before any wrapper.
+        self.model.to(self.device)
         set_activation_checkpointing(self.model, cfg.checkpoint_activations)
         if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
             parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
@@ -144,7 +150,7 @@ class RunBase:
     def sample(self, n: int) -> str:
         """`n` characters sampled after a newline, the same on every rank (TP ranks compute
         together, each drawing from the same seeded generator)."""
-        start = torch.tensor([[self.tokenizer.index["\n"]]])
+        start = torch.tensor([[self.tokenizer.index["\n"]]], device=self.device)
         ids = self.model.generate(start, n, generator=torch.Generator().manual_seed(self.cfg.seed))
         return self.tokenizer.decode(ids[0, 1:])
 
@@ -156,13 +162,15 @@ class RunBase:
         dp, mine = self.cfg.dp, self.layout.coords["dp"]
         per_rank = len(windows) // dp  # equal shares: ZeRO-3 gathers in lockstep
         ids = range(mine * per_rank, (mine + 1) * per_rank)
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i in range(0, per_rank, batch):
             xs, ys = zip(*(windows[j] for j in ids[i:i + batch]))
-            logits = precision_forward(self.stage, (torch.stack(xs),), self.cfg.precision)
+            x, y = torch.stack(xs).to(self.device), torch.stack(ys).to(self.device)
+            logits = precision_forward(self.stage, (x,), self.cfg.precision)
             total[0] += F.cross_entropy(logits.reshape(-1, self.vocab_size),
-                                        torch.stack(ys).reshape(-1), reduction="sum").double()
-            total[1] += torch.stack(ys).numel()
+                                        y.reshape(-1), reduction="sum").double()
+            total[1] += y.numel()
+        total = total.to(comm_device(self.dist, self.layout.group("dp")))
         if dp > 1:
             self.dist.all_reduce(total, group=self.layout.group("dp"))
         return (total[0] / total[1]).item()
@@ -184,6 +192,7 @@ class RunBase:
         reduced over dp already if `dp_reduced_in_backward`); the local mean loss on the last
         stage (scaled with fp16), None on the others."""
         k = self.cfg.micro_batches
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.cfg.pp > 1:
             losses: list[torch.Tensor] = []
             if self.is_first:
@@ -194,7 +203,7 @@ class RunBase:
                 self.schedule.step()
             local = torch.stack(losses).mean().detach() if self.is_last else None
         else:
-            local = torch.zeros(())
+            local = torch.zeros((), device=self.device)
             for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
                 skip = i < k - 1 and hasattr(self.module, "no_sync")
                 with self.module.no_sync() if skip else contextlib.nullcontext():
@@ -257,8 +266,7 @@ def pipeline_schedule(run: RunBase) -> Any:
     if cfg.stack == "torch":
         from torch.distributed import pipelining
 
-        stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, torch.device("cpu"),
-                                         group=group)
+        stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, run.device, group=group)
         return pipelining.Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
     stage = PipelineStage(run.module, c["pp"], cfg.pp, dist=run.dist, group=group)
     return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
@@ -296,21 +304,24 @@ def wrap_torch(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
     cfg = run.cfg
     if run.dist is not tdist:
         raise ValueError("stack='torch' needs torch.distributed as the process group")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = run.device.type  # never FSDP2's default mesh: it picks the accelerator if there is one
     dp_mesh = None
     if cfg.tp > 1:  # ranks of a tp group are contiguous, as in our layout (pp = 1 here)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(kind, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
         parallelize_blocks_torch(run.stage, mesh["tp"])
         dp_mesh = mesh["dp"]
     if cfg.zero == 3:
+        dp_mesh = dp_mesh if dp_mesh is not None else init_device_mesh(kind, (cfg.dp,))
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         shard_units(run.stage, functools.partial(torch_fully_shard, mesh=dp_mesh))
     module: nn.Module = Precision(run.stage, cfg.precision)
     optimizer = make_optimizer(cfg, run.stage.parameters(), TorchZero)
     if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
-        module = torch.nn.parallel.DistributedDataParallel(module)
+        module = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     run.dp_reduced_in_backward = cfg.dp > 1 and cfg.pp == 1
     return module, optimizer
 

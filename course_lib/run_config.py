@@ -1,13 +1,16 @@
 """The capstone's run as numbers, checked before anything is built: `TrainConfig` (the layout,
 the model, the batch, the numerics; the command line's flags), `check_config` (a ValueError that
 names every number that does not fit the world or the other numbers) and `learning_rate` (the
-schedule: constant, or a linear warm-up then a cosine). Importable from `course_lib.run` too.
+schedule: constant, or a linear warm-up then a cosine) and `run_device` (where a run's tensors
+live: `device`, "cpu", "cuda" or "auto"). Importable from `course_lib.run` too.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 from course_lib.gpt import GPTConfig
 from course_lib.layout import check_degrees
@@ -48,6 +51,7 @@ class TrainConfig:
     stack: str = "course"         # "torch": torch's DDP, ZeRO, FSDP2, DTensor TP, pipelining
     progress: bool = False        # a tqdm bar on rank 0 (the command line's)
     progress_file: str = ""       # rank 0 appends each step's loss here (a notebook's watch)
+    device: str = "cpu"           # "cuda" (this rank's current GPU), "cuda:N", or "auto"
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size,
@@ -100,8 +104,26 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append("sample and eval_every need the whole model on a rank (pp=1)")
     if cfg.eval_every and not cfg.val_fraction:
         problems.append(f"eval_every={cfg.eval_every} needs a val_fraction")
+    if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
+        problems.append(f"device={cfg.device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"device={cfg.device!r}: this torch sees no CUDA device")
+    elif (cfg.precision == "bf16" and run_device(cfg.device).type == "cuda"
+          and not torch.cuda.is_bf16_supported()):
+        problems.append("precision='bf16' on a GPU without bf16 (before Ampere): use fp16")
     if problems:
         raise ValueError("TrainConfig: " + "; ".join(problems))
+
+
+def run_device(device: str) -> torch.device:
+    """The device a run's model, batches and losses live on: "cpu", "cuda" (this process's
+    current GPU, which the launcher set from LOCAL_RANK), "cuda:N", or "auto" (the current GPU
+    when torch sees one, else the CPU)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

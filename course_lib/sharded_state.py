@@ -97,12 +97,13 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, 
     units = units_of(module)
     for unit in units:
         for flat in unit.flats:
-            full = torch.empty(flat.layout.padded_numel, dtype=flat.layout.dtype)
+            full = torch.empty(flat.layout.padded_numel, dtype=flat.layout.dtype,
+                               device=flat.shard.device)
             all_gather_params(full, flat.shard.detach(), flat.layout, dist=unit.dist,
                               group=unit.group)
             views = flat.layout.views(full)
             for sub, name, i in flat.entries:
-                out[prefix[id(sub)] + name] = views[i].clone()
+                out[prefix[id(sub)] + name] = views[i].to("cpu", copy=True)  # cpu_offload
     out.update(_plain(module, copy=True))
     rank = units[0].rank if units else 0
     return out if (rank == 0 or not rank0_only) else {}

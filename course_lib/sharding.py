@@ -50,7 +50,9 @@ class FlatLayout:
                 for r in range(self.world_size)]
 
     def flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype)  # zeros: None, and the padding
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        # zeros: None, and the padding
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
         for view, t in zip(self.views(flat), tensors):
             if t is not None:
                 view.copy_(t)

@@ -66,7 +66,7 @@ def on_grad_ready(zero: ZeroRedundancyOptimizer, p: torch.Tensor) -> None:
     bucket = zero.bucket_of[id(p)]
     if zero.stage == 2:
         if bucket.staging is None:
-            bucket.staging = torch.zeros(bucket.layout.padded_numel, dtype=bucket.layout.dtype)
+            bucket.staging = bucket.flat.new_zeros(bucket.layout.padded_numel)
         bucket.layout.view(bucket.staging, bucket.index[id(p)]).add_(p.grad)
         p.grad = None
     bucket.ready.add(id(p))

@@ -114,7 +114,8 @@ class Bucket:
         """Start averaging this bucket's flat gradient into a new shard-sized tensor."""
         if self.staging is None:  # stage 1: autograd's (accumulated) gradients, flattened now
             self.staging = self.layout.flatten([p.grad for p in self.params])
-        self.reduced = torch.empty(self.layout.shard_numel, dtype=self.layout.dtype)
+        self.reduced = torch.empty(self.layout.shard_numel, dtype=self.layout.dtype,
+                                   device=self.flat.device)
         self.work = reduce_scatter_grads(self.staging, self.reduced, dist=dist, group=group,
                                          async_op=True)
 

@@ -5,7 +5,9 @@
 - `check_op`, `reduce_`, `reducer`: a `ReduceOp` applied in place (AVG sums; `_average` divides
   at the end), also straight into a receive's destination;
 - `_flat`, `_write_back`: a tensor as one contiguous row, and back;
-- `_wait`, `check_list`: waiting for sends, and checking a list of one tensor per rank.
+- `_wait`, `check_list`: waiting for sends, and checking a list of one tensor per rank;
+- `check_host`: the refusal of a tensor that is not in host memory (this backend reads and
+  writes tensors through their host addresses: a CUDA tensor would crash the process).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def _run(group: ProcessGroup | None, name: str, async_op: bool,
     """Run `body(group, tag)` now, or on the group's worker thread when `async_op`. The
     group's flight recorder notes the call, described by `tensor`'s dtype and shape; the
     Work's future holds `result` (default: `tensor`) when it is done."""
+    check_host([tensor, *(result or ())], name)
     g = resolve(group, name)
     call = g.collective(name, tensor)  # its tag is taken in call order: every rank agrees
     call.entry.algorithm = algorithm
@@ -35,6 +38,18 @@ def _run(group: ProcessGroup | None, name: str, async_op: bool,
         return g.submit(lambda: call.run(body), name, result)
     call.run(body)
     return None
+
+
+def check_host(tensors: Sequence[torch.Tensor | None], name: str) -> None:
+    """TypeError, naming the device, for any tensor not in host (CPU) memory: the scratch
+    backend moves bytes through host pointers, where a CUDA address segfaults or fails with
+    EFAULT deep in a link. GPU tensors travel over NCCL (or gloo, which stages them)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise TypeError(f"{name}: course_lib.dist moves host memory, and this tensor is on "
+                            f"{t.device}: pass CPU tensors (t.cpu(), then copy the result back), "
+                            f'or use torch.distributed with backend "nccl" or '
+                            f'"cpu:gloo,cuda:nccl" for GPU tensors')
 
 
 def check_op(op) -> ReduceOp:
@@ -95,6 +110,7 @@ def check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: in
                 what: str) -> None:
     if tensors is None or len(tensors) != p:
         raise ValueError(f"{what} must hold one tensor per rank of the group ({p})")
+    check_host(tensors, what)
     for t in tensors:
         if t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(f"{what}: every tensor must be {like.dtype} {list(like.shape)}, "

@@ -29,7 +29,8 @@ import torch
 
 from course_lib.dist import tuned
 from course_lib.dist.collective_parts import (_average, _flat, _run, _wait, _write_back,
-                                              check_list, check_op, reduce_, reducer)
+                                              check_host, check_list, check_op, reduce_,
+                                              reducer)
 # Reached here by the tests (test_dist_faults swaps a reduction).
 from course_lib.dist.collective_parts import _REDUCERS  # noqa: F401
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
@@ -116,6 +117,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
         _average(chunks[g.rank], g.size, op)
         output.copy_(chunks[g.rank].view(output.shape))
 
+    check_host(input_list or (), "reduce_scatter")
     return _run(group, "reduce_scatter", async_op, body, output)
 
 
@@ -237,6 +239,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     AUTO_TREE_MAX_BYTES and ring above (on 2 ranks tree up to 1 MiB, Rabenseifner above).
     """
     op = check_op(op)
+    check_host([tensor], "all_reduce")  # before the algorithm looks at its memory
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     group = resolve(group, "all_reduce")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.dist.collective_parts import check_host
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.work import Work
 from course_lib.i18n import _
@@ -16,6 +17,7 @@ def _check(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(_("{name}: expected a torch.Tensor, got {type}", name=name,
                           type=type(tensor).__name__))
+    check_host([tensor], name)
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.dist.collective_parts import (_average, _flat, _run, _wait, _write_back,
-                                              check_list, check_op, reduce_)
+                                              check_host, check_list, check_op, reduce_)
 from course_lib.dist.group import ProcessGroup, ReduceOp
 from course_lib.dist.work import Work
 
@@ -87,6 +87,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
             else:
                 g.recv(out, i, tag, "gather")
 
+    check_host(gather_list or (), "gather")
     return _run(group, "gather", async_op, body, tensor)
 
 
@@ -102,4 +103,5 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         tensor.copy_(scatter_list[root])
         _wait(sends)
 
+    check_host(scatter_list or (), "scatter")
     return _run(group, "scatter", async_op, body, tensor)
