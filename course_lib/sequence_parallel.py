@@ -127,7 +127,7 @@ class ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.dist, ctx.group), None, None, None
+        return ReduceScatterToSequenceParallel.backward(ctx, grad)  # the same conjugate
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, dist: Any = None, group: Any = None,
@@ -143,7 +143,7 @@ class GatherToWholeSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dist: Any, group: Any, dim: int) -> torch.Tensor:
         ctx.where = dim, dist, group
-        return _all_gather(x, dim, dist, group)
+        return GatherFromSequenceParallel.forward(ctx, x, dist, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

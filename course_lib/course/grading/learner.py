@@ -131,6 +131,7 @@ def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: f
                 {"status": Outcome.LOST, "note": _("finished, but other ranks hung")}
                 for r in range(world)]
         halt = getattr(exc, "note", "")
+        _settle(cluster)
     except RankError as exc:  # the call never ran or its result could not come back
         outs = [{"status": Outcome.LOST,
                  "note": exc.failures.get(r, _("no result: another rank failed"))}
@@ -145,6 +146,19 @@ def _collect_cluster(ex: Exercise, c: Case, fn: Callable, cluster: Any, limit: f
         note = _("could not send it to the engines: {error}", error=f"{type(exc).__name__}: {exc}")
         outs = [{"status": Outcome.LOST, "note": note}] * world
     return {"outs": outs, "halt": halt}
+
+
+def _settle(cluster: Any) -> None:
+    """After a case was cut off: restart the engines unless every rank has left the case (a
+    rank still inside it would serve the next check a narrowed world and stray messages)."""
+    try:
+        clean = all(cluster.run(sub_worlds.settled, timeout=5.0))
+    except (RankError, ClusterError):
+        clean = False
+    if not clean:
+        print(_("a rank was still inside the case that timed out: the engines are restarted "
+                "so that the next check starts clean"), flush=True)
+        cluster.restart()
 
 
 def refusal(ex: Exercise, fn: Any) -> str | None:
