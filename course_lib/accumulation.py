@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from course_lib.backend import comm_device
+
 __all__ = ["no_sync", "accumulation_step", "saved_activation_bytes"]
 
 
@@ -41,7 +43,7 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError("accumulation_step needs at least one micro-batch")
     ddp = hasattr(model, "no_sync")
     mine = sum(int(mask.sum()) for _, _, mask in micro_batches)
-    count = torch.tensor(mine)
+    count = torch.tensor(mine, device=comm_device(model.dist, model.group) if ddp else "cpu")
     if ddp:  # the step's real tokens, every rank's, known before any backward
         model.dist.all_reduce(count, group=model.group)
     scale = (model.world_size if ddp else 1) / count.item()  # the wrapper averages gradients

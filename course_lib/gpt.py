@@ -9,6 +9,8 @@ tensor parallelism swaps them for their sharded versions without changing the ar
 `GPTConfig.dropout` (off by default) drops the MLP's hidden units, the heads' outputs and both
 residual branches, each mask drawn through the RNG tracker (`course_lib.rng`), as lesson 06's
 layers draw theirs: seed it with `seed_streams` before training with dropout on.
+`GPTConfig.n_expert` > 0 makes every `moe_every`-th block's MLP a mixture of experts
+(`course_lib.moe.MoE`, lesson 13); `aux_loss` sums their load-balancing losses.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from course_lib.moe import MoE
 from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         TensorParallelAttention, TensorParallelMLP,
                                         attention_forward)
@@ -38,6 +41,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0  # through the RNG tracker; 0: no random draw at all
+    n_expert: int = 0  # > 0: every moe_every-th block's MLP is an MoE of that many experts
+    top_k: int = 1
+    capacity_factor: float = 0.0  # 0: dropless
+    moe_every: int = 1
 
 
 def load_text(name: str = "shakespeare") -> str:
@@ -66,7 +73,7 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids.tolist())
 
 __all__ = ["GPTConfig", "load_text", "CharTokenizer", "SelfAttention", "MLP", "Block", "Embedding",
-    "Head", "GPT", "set_activation_checkpointing", "parallelize_blocks"]
+    "Head", "GPT", "aux_loss", "set_activation_checkpointing", "parallelize_blocks"]
 
 
 class SelfAttention(TrackedDropout, nn.Module):
@@ -106,10 +113,13 @@ class Block(nn.Module):
     """x + attn(ln_1(x)), then + mlp(ln_2(x)). With `checkpoint_activations` the block keeps
     only its input for backward and recomputes the rest there."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, index: int = 0):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), SelfAttention(cfg)
-        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
+        moe = cfg.n_expert and (index + 1) % cfg.moe_every == 0
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), (
+            MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.n_expert, cfg.top_k, cfg.capacity_factor or None)
+            if moe else MLP(cfg))
         self.checkpoint_activations = False
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +166,7 @@ class GPT(nn.Sequential):
 
     def __init__(self, cfg: GPTConfig):
         embedding = Embedding(cfg)
-        super().__init__(embedding, *(Block(cfg) for _ in range(cfg.n_layer)),
+        super().__init__(embedding, *(Block(cfg, i) for i in range(cfg.n_layer)),
                          Head(cfg, embedding.wte.weight))
         self.config = cfg
         self.apply(_init_weights)
@@ -170,7 +180,8 @@ class GPT(nn.Sequential):
         """Sample `max_new_tokens` more ids after `idx` (batch, seq), one at a time."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[:, -1, :] / temperature
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            probs = F.softmax(logits, dim=-1)  # sampled on the host, by the CPU generator
+            nxt = torch.multinomial(probs.float().cpu(), 1, generator=generator).to(idx.device)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
 
@@ -180,6 +191,11 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """The sum of every MoE layer's load-balancing loss from its last forward (0 if none)."""
+    return sum(m.aux_loss for m in model.modules() if isinstance(m, MoE))
 
 
 def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
@@ -194,7 +210,7 @@ def parallelize_blocks(model: nn.Module, *, dist: Any = None, group: Any = None)
     rank's heads and hidden units of the same weights (and their dropout); embeddings, norms and
     head stay whole."""
     for m in model.modules():
-        if not isinstance(m, Block):
+        if not isinstance(m, Block) or isinstance(m.mlp, MoE):  # no TP inside experts
             continue
         attn = m.attn
         with torch.random.fork_rng(devices=[]):  # their own inits are overwritten here

@@ -67,7 +67,7 @@ class ParallelLayout:
     """Degrees (dp, tp, pp), this rank's coordinate on each axis, and the groups it is in.
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, dist: Any = None):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, ep: int = 1, dist: Any = None):
         self.dist = default_dist(dist)
         self.world_size, self.rank = self.dist.get_world_size(), self.dist.get_rank()
         self.degrees = check_degrees(dp, tp, pp, self.world_size)
@@ -79,6 +79,26 @@ class ParallelLayout:
                 group = self.dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[axis] = group
+        if dp % ep:
+            raise ValueError(f"ParallelLayout: ep={ep} must divide dp={dp}")
+        self.ep = ep  # experts: the dp ranks split in groups of ep, sharing their experts
+        for axis, every_group in (self.expert_groups().items() if ep > 1 else ()):
+            self.coords[axis] = self.coords["dp"] % ep if axis == "ep" else self.coords["dp"] // ep
+            for ranks in every_group:  # after the others: their groups keep their ids
+                group = self.dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[axis] = group
+
+    def expert_groups(self) -> dict[str, list[list[int]]]:
+        """Within each (pp, tp), "ep": the dp ranks in dp / ep groups of consecutive dp
+        coordinates; "edp": group i of the dp ranks whose dp coordinate is i mod ep."""
+        groups: dict[str, list[list[int]]] = {"ep": [], "edp": []}
+        for p in range(self.pp):
+            for t in range(self.tp):
+                line = [self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)]
+                groups["ep"] += [line[g:g + self.ep] for g in range(0, self.dp, self.ep)]
+                groups["edp"] += [line[i::self.ep] for i in range(self.ep)]
+        return groups
 
     @property
     def dp(self) -> int:
@@ -124,7 +144,9 @@ class ParallelLayout:
 
     def __repr__(self) -> str:
         where = ", ".join(f"{axis}_rank={self.coords[axis]}" for axis in AXES)
-        return f"ParallelLayout(dp={self.dp}, tp={self.tp}, pp={self.pp}; rank {self.rank}: {where})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return (f"ParallelLayout(dp={self.dp}, tp={self.tp}, pp={self.pp}{ep}; "
+                f"rank {self.rank}: {where})")
 
 
 # %% solutions/11a_layout_precision.ipynb, cell 12

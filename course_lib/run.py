@@ -26,29 +26,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib import clip, moe
 from course_lib.backend import comm_device, default_dist
 from course_lib.comm_hooks import bf16_compress_hook
-from course_lib.ddp import DistributedDataParallel
-from course_lib.gpt import (Block, CharTokenizer, GPT, load_text, parallelize_blocks,
+from course_lib.ddp import DistributedDataParallel, allreduce_grads_bucketed
+from course_lib.gpt import (Block, CharTokenizer, GPT, aux_loss, load_text, parallelize_blocks,
                             set_activation_checkpointing)
 from course_lib.layout import ParallelLayout, stage_layers
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.precision import DynamicLossScaler, Precision, precision_forward
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
-from course_lib.run_config import TrainConfig, check_config, learning_rate, run_device
+from course_lib.rng import seed_streams
+from course_lib.run_config import (TrainConfig, check_config, learning_rate, make_optimizer,
+                                   run_device, shard_units)
 from course_lib.run_data import TextWindows, batches, split_text
 from course_lib.tensor_parallel import shard
 from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
 
 __all__ = ["TrainConfig", "check_config", "learning_rate", "run_device", "TextWindows",
-           "split_text", "batches", "tied_groups", "RunBase", "wrap", "pipeline_schedule",
-           "parallelize_blocks_torch", "wrap_torch", "shard_units", "make_optimizer"]
+           "split_text", "batches", "tied_groups", "clip_grads", "RunBase", "wrap",
+           "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "shard_units",
+           "make_optimizer"]
 
 
 def tied_groups(layout: ParallelLayout) -> Any:
@@ -66,6 +70,20 @@ def tied_groups(layout: ParallelLayout) -> Any:
     return mine
 
 
+def clip_grads(run: Any) -> None:
+    """Before each step (`cfg.clip_grad_norm`): the whole model's gradient norm, each element
+    counted once (summed over tp and pp; the TP replicas' and the tied head's copies skipped),
+    and every rank's gradients scaled by the same factor (`course_lib.clip`)."""
+    lay = run.layout
+    groups = [lay.group(axis) for axis in ("tp", "pp") if getattr(lay, axis) > 1]
+    copies = (clip.tp_duplicates(run.stage, dist=run.dist, group=lay.group("tp"))
+              if lay.tp > 1 else [])
+    if run.tied_weight is not None and run.is_last and not run.is_first:
+        copies.append(run.tied_weight)
+    clip.clip_grad_norm_(run.stepped_tensors(), run.cfg.clip_grad_norm, duplicates=copies,
+                         groups=groups, dist=run.dist)
+
+
 # --- one rank's part of the run ------------------------------------------------------------------
 
 class RunBase:
@@ -76,9 +94,10 @@ class RunBase:
         self.cfg, self.dist = cfg, default_dist(dist)
         check_config(cfg, self.dist.get_world_size())
         self.device = run_device(cfg.device)
-        self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, dist=self.dist)
+        self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, ep=cfg.ep, dist=self.dist)
         self.tied_group = tied_groups(self.layout)
         c = self.layout.coords
+        seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"], pp_rank=c["pp"])  # dropout's
         text = load_text(cfg.text)
         self.tokenizer = CharTokenizer(text)
         train_ids, self.val_ids = split_text(self.tokenizer.encode(text), cfg.val_fraction)
@@ -89,6 +108,9 @@ class RunBase:
         # Drawn on the CPU (the same numbers on every device), moved before any wrapper.
         self.model.to(self.device)
         set_activation_checkpointing(self.model, cfg.checkpoint_activations)
+        for m in self.model.modules():  # this rank's experts, the others through all_to_all
+            if isinstance(m, moe.MoE) and cfg.ep > 1:
+                moe.expert_parallel(m, dist=self.dist, group=self.layout.group("ep"))
         if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
             parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
         self.stage = stage_layers(self.model, cfg.pp, c["pp"])
@@ -103,6 +125,8 @@ class RunBase:
         self.steps_done, self.memory = 0, {}
         self.after_backward: Callable[["RunBase"], None] | None = None
         self.optimizer.register_step_post_hook(self._measure_memory)
+        if cfg.clip_grad_norm is not None:
+            self.optimizer.register_step_pre_hook(lambda *_: clip_grads(self))
 
     def _measure_memory(self, *_: Any) -> None:
         """After the first optimizer step, before its gradients are freed: the steady state's
@@ -151,7 +175,10 @@ class RunBase:
         """`n` characters sampled after a newline, the same on every rank (TP ranks compute
         together, each drawing from the same seeded generator)."""
         start = torch.tensor([[self.tokenizer.index["\n"]]], device=self.device)
-        ids = self.model.generate(start, n, generator=torch.Generator().manual_seed(self.cfg.seed))
+        cpu = torch.Generator("cpu").manual_seed(self.cfg.seed)  # generate samples on the host
+        was, _ = self.model.training, self.model.eval()  # no dropout
+        ids = self.model.generate(start, n, generator=cpu)
+        self.model.train(was)
         return self.tokenizer.decode(ids[0, 1:])
 
     @torch.no_grad()
@@ -163,6 +190,7 @@ class RunBase:
         per_rank = len(windows) // dp  # equal shares: ZeRO-3 gathers in lockstep
         ids = range(mine * per_rank, (mine + 1) * per_rank)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        was, _ = self.stage.training, self.stage.eval()  # no dropout
         for i in range(0, per_rank, batch):
             xs, ys = zip(*(windows[j] for j in ids[i:i + batch]))
             x, y = torch.stack(xs).to(self.device), torch.stack(ys).to(self.device)
@@ -170,14 +198,22 @@ class RunBase:
             total[0] += F.cross_entropy(logits.reshape(-1, self.vocab_size),
                                         y.reshape(-1), reduction="sum").double()
             total[1] += y.numel()
+        self.stage.train(was)
         total = total.to(comm_device(self.dist, self.layout.group("dp")))
         if dp > 1:
             self.dist.all_reduce(total, group=self.layout.group("dp"))
         return (total[0] / total[1]).item()
 
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of a micro-batch, times the loss scale with fp16."""
-        loss = F.cross_entropy(logits.reshape(-1, self.vocab_size), target.reshape(-1))
+        """The mean cross-entropy of a micro-batch, times the loss scale with fp16. With
+        `token_weighted`, its summed loss over the step's real tokens of every dp rank (targets
+        -100 are padding), times k x dp: what the means over micro-batches and ranks undo."""
+        logits, target = logits.reshape(-1, self.vocab_size), target.reshape(-1)
+        if self.cfg.token_weighted:
+            loss = F.cross_entropy(logits, target, reduction="sum") * (
+                self.cfg.micro_batches * self.cfg.dp / self.step_tokens)
+        else:
+            loss = F.cross_entropy(logits, target)
         return loss * self.scaler.scale if self.scaler else loss
 
     def stepped_tensors(self) -> list[torch.Tensor]:
@@ -192,6 +228,11 @@ class RunBase:
         reduced over dp already if `dp_reduced_in_backward`); the local mean loss on the last
         stage (scaled with fp16), None on the others."""
         k = self.cfg.micro_batches
+        if self.cfg.token_weighted:  # the step's real tokens, every dp rank's, before any loss
+            count = (y != -100).sum().to(comm_device(self.dist, self.layout.group("dp")))
+            if self.cfg.dp > 1:
+                self.dist.all_reduce(count, group=self.layout.group("dp"))
+            self.step_tokens = max(int(count.item()), 1)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.cfg.pp > 1:
             losses: list[torch.Tensor] = []
@@ -208,8 +249,11 @@ class RunBase:
                 skip = i < k - 1 and hasattr(self.module, "no_sync")
                 with self.module.no_sync() if skip else contextlib.nullcontext():
                     loss = self.loss_fn(self.module(xb), yb)
-                    (loss / k).backward()
+                    total = loss + self.cfg.aux_loss_coeff * aux_loss(self.module)
+                    (total / k).backward()
                 local += loss.detach() / k
+            if self.cfg.n_expert and self.cfg.dp > 1:
+                reduce_moe_grads(self)
         if self.after_backward is not None:
             self.after_backward(self)
         return local
@@ -252,12 +296,27 @@ def wrap(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
     module: nn.Module = Precision(run.stage, cfg.precision)
     optimizer = make_optimizer(cfg, run.stage.parameters(),
                                functools.partial(ZeroRedundancyOptimizer, dist=dist, group=group))
-    if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1:
+    if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1 and not cfg.n_expert:
         module = DistributedDataParallel(module, dist=dist, group=group)
         if cfg.reduce_dtype == "bf16":
             module.register_comm_hook(group, bf16_compress_hook)
     run.dp_reduced_in_backward = cfg.dp > 1 and (cfg.zero > 0 or cfg.pp == 1)
     return module, optimizer
+
+
+def reduce_moe_grads(run: RunBase) -> None:
+    """MoE blocks (no DDP): dense gradients averaged over dp; each expert's already sums its
+    ep group's tokens (the backward all_to_all brought them): averaged over its expert-data-
+    parallel group, then divided by ep."""
+    lay, experts = run.layout, {id(p) for p in moe.expert_parameters(run.stage)}
+    params = [p for p in run.stage.parameters() if p.grad is not None]
+    allreduce_grads_bucketed([p for p in params if id(p) not in experts], dist=run.dist,
+                             group=lay.group("dp"))
+    mine = [p for p in params if id(p) in experts]
+    if lay.dp // lay.ep > 1:
+        allreduce_grads_bucketed(mine, dist=run.dist, group=lay.group("edp"))
+    for p in mine:
+        p.grad.div_(lay.ep)
 
 
 def pipeline_schedule(run: RunBase) -> Any:
@@ -324,23 +383,3 @@ def wrap_torch(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
             module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     run.dp_reduced_in_backward = cfg.dp > 1 and cfg.pp == 1
     return module, optimizer
-
-
-def shard_units(stage: nn.Module, fully_shard_fn: Callable[[nn.Module], Any]) -> None:
-    """ZeRO-3's units, ours or FSDP2's: one per block, then the root, which holds the
-    embedding and its tied head."""
-    for block in list(stage)[1:-1]:
-        fully_shard_fn(block)
-    fully_shard_fn(stage)
-
-
-def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
-                   zero1: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
-    """The run's optimizer over `params`: AdamW, or plain SGD, whose step is in proportion to
-    the gradient (AdamW's hardly changes when a gradient is summed instead of averaged); with
-    ZeRO-1, sharded by `zero1(params, optimizer_class, **kwargs)` (ours or torch's)."""
-    if cfg.optimizer == "sgd":
-        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr}
-    else:
-        cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
-    return zero1(params, cls, **kwargs) if cfg.zero == 1 else cls(params, **kwargs)

@@ -1,16 +1,19 @@
 """The capstone's run as numbers, checked before anything is built: `TrainConfig` (the layout,
 the model, the batch, the numerics; the command line's flags), `check_config` (a ValueError that
 names every number that does not fit the world or the other numbers) and `learning_rate` (the
-schedule: constant, or a linear warm-up then a cosine) and `run_device` (where a run's tensors
-live: `device`, "cpu", "cuda" or "auto"). Importable from `course_lib.run` too.
+schedule: constant, or a linear warm-up then a cosine), `run_device` (where a run's tensors
+live: `device`, "cpu", "cuda" or "auto"), `make_optimizer` and ZeRO-3's units (`shard_units`).
+Importable from `course_lib.run` too.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
+from torch import nn
 
 from course_lib.gpt import GPTConfig
 from course_lib.layout import check_degrees
@@ -52,10 +55,21 @@ class TrainConfig:
     progress: bool = False        # a tqdm bar on rank 0 (the command line's)
     progress_file: str = ""       # rank 0 appends each step's loss here (a notebook's watch)
     device: str = "cpu"           # "cuda" (this rank's current GPU), "cuda:N", or "auto"
+    dropout: float = 0.0          # each mask from its rank's stream (course_lib.rng)
+    token_weighted: bool = False  # the loss per real token of the step, every rank's counted
+    clip_grad_norm: float | None = None  # the whole model's gradient norm, clipped to this
+    ep: int = 1                   # expert parallelism: the experts split over ep dp ranks
+    n_expert: int = 0             # > 0: MoE blocks (course_lib.moe), that many experts each
+    top_k: int = 1
+    capacity_factor: float = 0.0  # 0: dropless
+    moe_every: int = 1            # every that many-th block is an MoE block
+    aux_loss_coeff: float = 0.01  # the load-balancing loss's weight (the reported loss is CE)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size,
-                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         dropout=self.dropout, n_expert=self.n_expert, top_k=self.top_k,
+                         capacity_factor=self.capacity_factor, moe_every=self.moe_every)
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> None:
@@ -111,6 +125,21 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     elif (cfg.precision == "bf16" and run_device(cfg.device).type == "cuda"
           and not torch.cuda.is_bf16_supported()):
         problems.append("precision='bf16' on a GPU without bf16 (before Ampere): use fp16")
+    if not 0.0 <= cfg.dropout < 1.0:
+        problems.append(f"dropout={cfg.dropout}: choose a probability in [0, 1)")
+    if cfg.stack == "torch" and (cfg.dropout or cfg.clip_grad_norm is not None):
+        problems.append("stack='torch': dropout and clip_grad_norm are the course stack's")
+    if cfg.clip_grad_norm is not None and (cfg.clip_grad_norm <= 0 or cfg.zero):
+        problems.append(f"clip_grad_norm={cfg.clip_grad_norm} (zero={cfg.zero}): a positive "
+                        "norm, on layouts whose optimizer steps whole gradients (zero=0)")
+    if cfg.dp % cfg.ep or cfg.ep > 1 and not cfg.n_expert or cfg.n_expert % cfg.ep:
+        problems.append(f"ep={cfg.ep}: it divides dp={cfg.dp} and n_expert={cfg.n_expert} > 0")
+    if cfg.n_expert and (cfg.top_k not in (1, 2) or cfg.top_k > cfg.n_expert):
+        problems.append(f"top_k={cfg.top_k}: 1 or 2, at most n_expert={cfg.n_expert}")
+    if cfg.n_expert and (cfg.tp, cfg.pp, cfg.zero, cfg.stack, cfg.micro_batches) != (
+            1, 1, 0, "course", 1):
+        problems.append("n_expert > 0 runs with tp=1, pp=1, zero=0, micro_batches=1 and the "
+                        "course's stack here")
     if problems:
         raise ValueError("TrainConfig: " + "; ".join(problems))
 
@@ -135,3 +164,23 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
+
+
+def shard_units(stage: nn.Module, fully_shard_fn: Callable[[nn.Module], Any]) -> None:
+    """ZeRO-3's units, ours or FSDP2's: one per block, then the root, which holds the
+    embedding and its tied head."""
+    for block in list(stage)[1:-1]:
+        fully_shard_fn(block)
+    fully_shard_fn(stage)
+
+
+def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
+                   zero1: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The run's optimizer over `params`: AdamW, or plain SGD, whose step is in proportion to
+    the gradient (AdamW's hardly changes when a gradient is summed instead of averaged); with
+    ZeRO-1, sharded by `zero1(params, optimizer_class, **kwargs)` (ours or torch's)."""
+    if cfg.optimizer == "sgd":
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+    return zero1(params, cls, **kwargs) if cfg.zero == 1 else cls(params, **kwargs)

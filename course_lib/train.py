@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from course_lib.backend import comm_device
 from course_lib.ddp import allreduce_grads_bucketed
 from course_lib.precision import (PRECISIONS, DynamicLossScaler, Precision, precision_forward,
                                   update_scale)
@@ -49,11 +50,11 @@ def reduce_grads(run: Any) -> None:
 def unscale_grads(tensors: list[torch.Tensor], scale: float, dist: Any) -> bool:
     """Divide each tensor's gradient (where it has one) by the loss scale, in place; True on
     every rank if any rank's gradients hold an inf or a NaN, else False."""
-    found = torch.zeros(1)
+    found = torch.zeros(1, device=comm_device(dist))
     for t in tensors:
         if t.grad is not None:
             t.grad.div_(scale)
-            found = torch.maximum(found, (~torch.isfinite(t.grad)).any().float())
+            found = torch.maximum(found, (~torch.isfinite(t.grad)).any().float().to(found.device))
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return bool(found.item())
 
@@ -72,9 +73,9 @@ def train_step(run: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, bool]
     if not skipped:
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    share = torch.zeros(1)
+    share = torch.zeros(1, device=comm_device(run.dist))
     if local is not None and run.layout.coords["tp"] == 0:
-        share += local.float() / scale / run.layout.dp
+        share += (local.float() / scale / run.layout.dp).to(share.device)
     run.dist.all_reduce(share)
     return share.item(), skipped
 

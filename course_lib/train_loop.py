@@ -117,9 +117,11 @@ def one_process(train: Callable[..., dict], cfg: TrainConfig, **kwargs: Any) -> 
 
 
 def one_process_config(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` on one process: the same model, batches and numerics, no parallelism."""
+    """`cfg` on one process: the same model, batches and numerics, no parallelism, on the CPU
+    (`one_process` runs on the scratch backend, a host backend)."""
     return dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, micro_batches=1,
-                               reduce_dtype="fp32", progress=False, progress_file="")
+                               reduce_dtype="fp32", progress=False, progress_file="",
+                               device="cpu")
 
 
 # --- a run on a notebook's cluster, watched ------------------------------------------------------
@@ -201,6 +203,10 @@ def torchrun(cfg: TrainConfig, nproc_per_node: int, json_file: str | os.PathLike
         return json.load(f)
 
 
+def _maybe_float(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m course_lib.train",
                                 description="The capstone's GPT on a (dp, tp, pp) layout.")
@@ -212,7 +218,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         if f.type == "bool":
             p.add_argument(flag, action="store_true")
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type]
+            kind = {"int": int, "float": float, "str": str,
+                    "float | None": _maybe_float}[f.type]
             p.add_argument(flag, type=kind, default=getattr(defaults, f.name))
     p.add_argument("--json", metavar="FILE", help="write the loss per step (and the run) here")
     p.add_argument("--backend", default="gloo", help="without torchrun: course_lib.spawn's "
@@ -226,13 +233,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
 def cli_main(argv: list[str] | None, train: Callable[..., dict],
              spawn_rank: Callable[..., dict]) -> int:
     """The command line: under torchrun (RANK and WORLD_SIZE set) `train` on torch.distributed
-    with gloo; otherwise `course_lib.spawn(spawn_rank, dp * tp * pp, cfg)`."""
+    (`course_lib.backend.torchrun_init`: NCCL on this rank's GPU, or gloo); otherwise
+    `course_lib.spawn(spawn_rank, dp * tp * pp, cfg)`."""
     cfg, args = parse_args(argv)
     world = cfg.dp * cfg.tp * cfg.pp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
         import torch.distributed as tdist
         check_config(cfg, int(os.environ["WORLD_SIZE"]))
-        tdist.init_process_group("gloo")
+        from course_lib.backend import torchrun_init
+        cfg = dataclasses.replace(cfg, device=str(torchrun_init(cfg.device)))
         try:
             result = train(cfg, dist=tdist)
         finally:

@@ -73,3 +73,39 @@ def test_bad_degrees_name_the_degrees(degrees, message):
                             new_group=lambda ranks: pytest.fail("no group before validation"))
     with pytest.raises(ValueError, match=message):
         ParallelLayout(dp=dp, tp=tp, pp=pp, dist=world)
+
+
+@pytest.mark.parametrize("degrees, ep, want", [
+    ((4, 1, 1), 2, {"ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}),
+    ((2, 2, 1), 2, {"ep": [[0, 2], [1, 3]], "edp": [[0], [2], [1], [3]]}),
+    ((2, 1, 2), 2, {"ep": [[0, 1], [2, 3]], "edp": [[0], [1], [2], [3]]}),
+])
+def test_expert_groups_split_each_dp_group(degrees, ep, want):
+    """ep groups partition each dp group into consecutive dp coordinates; the expert-data-
+    parallel groups take one rank of each; ep x edp = dp; the dp, tp, pp groups unchanged."""
+    dp, tp, pp = degrees
+    for rank in range(4):
+        made = []
+        world = SimpleNamespace(get_world_size=lambda group=None: 4,
+                                get_rank=lambda group=None, r=rank: r,
+                                new_group=lambda ranks: made.append(list(ranks)) or tuple(ranks))
+        layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, dist=world)
+        assert layout.expert_groups() == want
+        old = EXPECTED[degrees]  # the existing groups first, in their order: ids unchanged
+        assert made == [*old["pp"], *old["dp"], *old["tp"], *want["ep"], *want["edp"]]
+        for axis in ("ep", "edp"):
+            mine = next(g for g in want[axis] if rank in g)
+            assert layout.group(axis) == tuple(mine)
+        dp_rank = layout.coords["dp"]
+        assert (layout.coords["ep"], layout.coords["edp"]) == (dp_rank % ep, dp_rank // ep)
+        for g in EXPECTED[degrees]["dp"]:  # each dp group: ep groups partition it
+            inside = [e for e in want["ep"] if set(e) <= set(g)]
+            assert sorted(r for e in inside for r in e) == sorted(g)
+            assert len(inside) * ep == len(g)
+
+
+def test_ep_must_divide_dp():
+    world = SimpleNamespace(get_world_size=lambda group=None: 4, get_rank=lambda group=None: 0,
+                            new_group=lambda ranks: tuple(ranks))
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelLayout(dp=4, ep=3, dist=world)
