@@ -1,7 +1,8 @@
 """A mixture-of-experts layer with expert parallelism: a top-k router, expert capacity with a
 drop policy, the load-balancing loss, and tokens sent to their experts through all_to_all.
-Hand-written; lesson 13 (experts) builds `permute`, `unpermute` and `keep_top_scores` and
-checks them inside this layer (`moe_forward` takes the learner's pieces).
+Hand-written around lesson 13's exercises: `permute`, `unpermute` and `keep_top_scores` are the
+lesson's, exported into `course_lib.moe_dispatch` and re-exported here (`moe_forward` also takes
+a learner's pieces as arguments).
 
 The pieces, in the order a lesson builds them (Megatron-Core's and torchtitan's names in
 brackets where they differ):
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.backend import default_dist
+from course_lib.moe_dispatch import keep_top_scores, permute, unpermute  # lesson 13's exercises
 
 __all__ = ["Routing", "route", "expert_capacity", "keep_top_scores", "load_balancing_loss",
            "permute", "unpermute", "tokens_per_expert", "Expert", "MoE", "expert_parallel",
@@ -87,20 +89,6 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
     return math.ceil(capacity_factor * num_tokens * k / num_experts)
 
 
-def keep_top_scores(expert_index: torch.Tensor, scores: torch.Tensor, num_experts: int,
-                    capacity: int) -> torch.Tensor:
-    """(T, k) bool: each expert keeps its `capacity` highest-scoring choices (ties: earlier
-    token first) and drops the rest."""
-    flat_expert, flat_score = expert_index.reshape(-1), scores.reshape(-1)
-    by_score = torch.argsort(flat_score, descending=True, stable=True)
-    queue = by_score[torch.argsort(flat_expert[by_score], stable=True)]  # per expert, best first
-    counts = torch.bincount(flat_expert, minlength=num_experts)
-    first = torch.cumsum(counts, 0) - counts  # where each expert's queue starts
-    place = torch.empty_like(queue)
-    place[queue] = torch.arange(queue.numel(), device=queue.device) - first[flat_expert[queue]]
-    return (place < capacity).view_as(expert_index)
-
-
 def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
     """Switch Transformer's auxiliary loss E * sum_e f_e P_e (1 when balanced)."""
     num_tokens, k = expert_index.shape
@@ -114,13 +102,17 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor) -> torc
 
 def route(moe: "MoE", tokens: torch.Tensor,
           keep: Callable[..., torch.Tensor] = keep_top_scores) -> Routing:
-    """Route one group of tokens (T, d): top-k of the softmax, capacity, drops, the loss."""
+    """Route one group of tokens (T, d): top-k of the softmax, capacity, drops (the policy
+    `keep` runs only where an expert could be over capacity), the loss."""
     logits = moe.router(tokens)
     probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     scores, expert_index = probs.topk(moe.top_k, dim=-1)
     weights = scores / scores.sum(-1, keepdim=True) if moe.normalize else scores
     capacity = expert_capacity(len(tokens), moe.num_experts, moe.top_k, moe.capacity_factor)
-    kept = keep(expert_index, scores.detach(), moe.num_experts, capacity)
+    if capacity >= len(tokens):  # an expert gets at most one choice per token: nothing to drop
+        kept = torch.ones_like(expert_index, dtype=torch.bool)
+    else:
+        kept = keep(expert_index, scores.detach(), moe.num_experts, capacity)
     return Routing(probs, expert_index, scores, weights * kept, kept,
                    load_balancing_loss(probs, expert_index))
 
@@ -131,26 +123,6 @@ def tokens_per_expert(expert_index: torch.Tensor, kept: torch.Tensor,
                       num_experts: int) -> torch.Tensor:
     """(E,) int64: how many kept choices each expert gets."""
     return torch.bincount(expert_index[kept], minlength=num_experts)
-
-
-def permute(x: torch.Tensor, expert_index: torch.Tensor,
-            kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept choices' tokens grouped by expert, token order inside each: (rows, order),
-    row i being token order[i] // k's copy for its choice order[i] % k."""
-    k = expert_index.shape[1]
-    chosen = kept.reshape(-1).nonzero().squeeze(1)  # kept choices t * k + j, in token order
-    order = chosen[torch.argsort(expert_index.reshape(-1)[chosen], stable=True)]
-    return x[order // k], order
-
-
-def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-              num_tokens: int) -> torch.Tensor:
-    """Back to token order: token t gets the sum over its kept choices j of
-    weights[t, j] * (the row of choice t * k + j)."""
-    k = weights.shape[1]
-    gate = weights.reshape(-1)[order].to(rows.dtype).unsqueeze(1)
-    out = rows.new_zeros(num_tokens, rows.shape[1])
-    return out.index_add(0, order // k, rows * gate)
 
 
 # --- all_to_all as an autograd op ---------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_pairwise_all_to_all_solution_and_mistakes(c4):
     assert r.reason.startswith("timed out"), r.reason
 
 
-# lesson13.permute / unpermute ----------------------------------------------------------------------
+# lesson13.permute / unpermute: each judged on its own data (neither runs the other) --------------
 
 def by_token(x, expert_index, kept):
     """The kept choices in token order, never sorted by expert."""
@@ -102,7 +102,7 @@ def expert_order_kept(rows, order, weights, num_tokens):
 def test_permute_solution_and_mistakes(c4):
     full("lesson13.permute", solution("permute", NOTEBOOK), c4)
     r = less("lesson13.permute", by_token, c4)
-    assert "differs from one process computing every expert" in r.reason, r.reason
+    assert "order is not grouped by expert" in r.reason, r.reason
 
 
 @pytest.mark.cluster

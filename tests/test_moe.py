@@ -242,3 +242,21 @@ def test_permutation_round_trip() -> None:
     assert torch.equal(experts, experts.sort().values)  # grouped by expert
     out = M.unpermute(rows, order, torch.ones(9, 2, dtype=torch.float64), 9)
     assert torch.allclose(out, x * kept.sum(1, keepdim=True))
+
+
+def test_the_pieces_are_lesson_13s_and_dropless_routing_needs_no_policy() -> None:
+    """moe runs the dispatch, combine and drop policy lesson 13 exports (course_lib.moe_dispatch);
+    without a capacity limit nothing can be dropped, so the policy is not called (the lesson
+    routes tokens before its learner has written one)."""
+    from course_lib import moe_dispatch
+
+    assert (M.permute, M.unpermute, M.keep_top_scores) == (
+        moe_dispatch.permute, moe_dispatch.unpermute, moe_dispatch.keep_top_scores)
+
+    def no_policy(*args):
+        raise AssertionError("called without a capacity limit")
+
+    torch.manual_seed(3)
+    layer = M.MoE(4, 8, 4, top_k=2).double()
+    r = M.route(layer, torch.randn(6, 4, dtype=torch.float64), keep=no_policy)
+    assert r.kept.all()

@@ -1,4 +1,5 @@
-"""course_lib.mpi: MPI as a `dist`. The collectives equal one process's results; our DDP (with
+"""course_lib.mpi: MPI as a `dist`. The collectives (all_to_all's: tests/test_mpi_alltoall.py)
+equal one process's results; our DDP (with
 and without a compression hook) and ZeRO-1 on MPI equal one process on the whole batch; a
 peer that never sends is a named error; no mpiexec is a clear error."""
 
@@ -106,7 +107,9 @@ def check_collectives(dist, rank: int, world: int) -> list[str]:
         if dist.get_rank(evens) != rank // 2:
             bad.append(f"rank {rank}: get_rank(evens) = {dist.get_rank(evens)}")
     dist.barrier()
-    return bad
+    from test_mpi_alltoall import check_alltoall  # tests/ is on sys.path
+
+    return bad + check_alltoall(dist, rank, world)
 
 
 def _model(seed: int) -> nn.Module:

@@ -15,6 +15,7 @@ COMPONENTS = {
     "dist.wire": "01_point_to_point",
     "fsdp": "08b_fsdp",
     "layout": "11a_layout_precision",
+    "moe_dispatch": "13_experts",
     "pipeline": "07c_pipeline_schedules",
     "pipeline_schedules": "07d_pipeline_schedules_beyond",
     "pipeline_split": "07a_pipeline_split",

@@ -1,7 +1,9 @@
-"""Lesson 13 (experts): the pairwise all_to_all from send/recv, the dispatch permutation and
-its inverse, and the capacity drop policy, checked on the first 2, 3 and 4 ranks of the
-grader's 4-rank cluster; the last three inside the expert-parallel layer
-(`course_lib.moe`), against one process computing every expert on the whole batch.
+"""Lesson 13 (experts): the pairwise all_to_all from send/recv, checked on the first 2, 3 and
+4 ranks of the grader's 4-rank cluster; the dispatch permutation and its inverse, each on its
+own data on rank 0 (neither runs the other, nor the drop policy); the capacity drop policy on
+hand-made cases on rank 0, then inside the expert-parallel layer (`course_lib.moe`, with the
+learner's own dispatch and combine from `course_lib.moe_dispatch`) on 2, 3 and 4 ranks,
+against one process computing every expert on the whole batch.
 
 The expected values and the explanations of wrong ones are judge-side:
 `course_lib/course/grading/references/lesson13.py`."""
@@ -16,18 +18,29 @@ import torch
 from course_lib.course.grading import RANK, WORLD_SIZE, case
 from course_lib.course.grading.sub_worlds import (counting_messages, first_ranks_as_world,
                                                   on_first_ranks, register_on_sub_worlds)
+from course_lib.i18n import N_
 
 NOTEBOOK = "13_experts"
 
 # --- lesson13.pairwise_all_to_all ----------------------------------------------------------------
 
-# sizes[i][j]: elements rank i sends rank j (0 included)
+# sizes[i][j]: elements rank i sends rank j (0 included), and the case's label (a literal, so
+# that the catalogue holds it: a label is translated where the report shows it)
 A2A_SIZES = {
     "2 ranks": [[2, 3], [1, 0]],
     "3 ranks": [[1, 2, 3], [4, 0, 1], [2, 2, 0]],
     "4 ranks": [[1, 2, 0, 3], [2, 1, 1, 0], [0, 3, 2, 1], [4, 0, 1, 2]],
     "3 ranks, equal blocks": [[2, 2, 2], [2, 2, 2], [2, 2, 2]],
     "4 ranks, rank 2 sends nothing": [[3, 0, 2, 1], [1, 1, 1, 1], [0, 0, 0, 0], [2, 5, 0, 3]],
+}
+A2A_LABELS = {
+    "2 ranks": N_("2 ranks, block sizes [[2, 3], [1, 0]]"),
+    "3 ranks": N_("3 ranks, block sizes [[1, 2, 3], [4, 0, 1], [2, 2, 0]]"),
+    "4 ranks": N_("4 ranks, block sizes [[1, 2, 0, 3], [2, 1, 1, 0], [0, 3, 2, 1], [4, 0, 1, 2]]"),
+    "3 ranks, equal blocks": N_("3 ranks, equal blocks, block sizes [[2, 2, 2], [2, 2, 2], "
+                                "[2, 2, 2]]"),
+    "4 ranks, rank 2 sends nothing": N_("4 ranks, rank 2 sends nothing, block sizes [[3, 0, 2, "
+                                        "1], [1, 1, 1, 1], [0, 0, 0, 0], [2, 5, 0, 3]]"),
 }
 
 
@@ -91,8 +104,7 @@ def a2a_harness(fn, rank: int, world_size: int, label: str) -> dict | None:
 register_on_sub_worlds(
     "lesson13.pairwise_all_to_all", NOTEBOOK,
     params=("output_list", "input_list"),
-    cases=[case(RANK, WORLD_SIZE, label, label=f"{label}, block sizes {sizes}")
-           for label, sizes in A2A_SIZES.items()],
+    cases=[case(RANK, WORLD_SIZE, key, label=A2A_LABELS[key]) for key in A2A_SIZES],
     reference="lesson13:pairwise_all_to_all",
     explain="lesson13:explain_pairwise_all_to_all",
     harness=a2a_harness,
@@ -107,17 +119,21 @@ register_on_sub_worlds(
            "in every round."),
 )
 
-# --- the layer's cases (lesson13.permute, lesson13.unpermute, lesson13.keep_top_scores) ----------
+# --- the layer's cases (lesson13.keep_top_scores) -------------------------------------------------
 
 # (ranks, top_k, capacity_factor, experts per rank)
-LAYER_CASES = [(2, 1, None, 2), (3, 2, None, 2), (4, 1, None, 1),
-               (2, 1, 0.5, 2), (3, 2, 0.75, 2), (4, 2, 0.6, 1)]
+LAYER_CASES = [(2, 1, 0.5, 2), (3, 2, 0.75, 2), (4, 2, 0.6, 1)]
 DIM, HIDDEN, TOKENS = 6, 8, 10
+LAYER_LABELS = {
+    (2, 1, 0.5, 2): N_("2 ranks, top-1, 4 experts, capacity factor 0.5"),
+    (3, 2, 0.75, 2): N_("3 ranks, top-2, 6 experts, capacity factor 0.75"),
+    (4, 2, 0.6, 1): N_("4 ranks, top-2, 4 experts, capacity factor 0.6"),
+}
 
 
 def layer_label(k: int, top_k: int, factor: float | None, per: int) -> str:
-    drops = "no drops" if factor is None else f"capacity factor {factor}"
-    return f"{k} ranks, top-{top_k}, {per * k} experts, {drops}"
+    """The case's label (a catalogue entry: translated where the report shows it)."""
+    return LAYER_LABELS[k, top_k, factor, per]
 
 
 def whole_layer(k: int, top_k: int, factor: float | None, per: int):
@@ -135,41 +151,90 @@ def layer_batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(k * TOKENS, DIM, generator=g, dtype=torch.float64)
 
 
-def _layer_body(d, rank: int, fn, piece: str, k: int, top_k: int, factor, per: int) -> dict:
+def _layer_body(d, rank: int, fn, k: int, top_k: int, factor, per: int) -> dict:
+    """This rank's output and input gradient of the expert-parallel layer with `fn` as its
+    drop policy (its dispatch and combine: `course_lib.moe_dispatch`'s, lesson 13's own)."""
     from course_lib import moe
 
     layer = whole_layer(k, top_k, factor, per)
     moe.expert_parallel(layer, dist=d)
     x_all, g_all = layer_batch(k)
     x = x_all.tensor_split(k)[rank].clone().requires_grad_()
-    y = moe.moe_forward(layer, x, **{piece: fn})
+    y = moe.moe_forward(layer, x, keep=fn)
     (y * g_all.tensor_split(k)[rank]).sum().backward()
     return {"output": y.detach(), "input gradient": x.grad}
 
 
-def _layer_harness(piece: str):
-    def harness(fn, rank: int, world_size: int, k: int, top_k: int, factor, per: int):
-        """On the first k ranks, the expert-parallel layer with `fn` as its `piece`: this
-        rank's output and input gradient."""
-        return on_first_ranks(k, _layer_body, fn, piece, k, top_k, factor, per)
-    harness.__name__ = harness.__qualname__ = f"{piece}_harness"
-    return harness
+# --- lesson13.permute and lesson13.unpermute: each on its own, on rank 0 --------------------------
+# Neither check runs the other piece, nor the drop policy: the choices, their kept mask and
+# (for unpermute) the order the rows come back in are the case's data, so each exercise is
+# judged alone, whatever the learner's other pieces do. unpermute's order is a seeded
+# shuffle of the kept choices: any order `permute` could send must come back right.
+
+# (tokens, top_k, experts, share of the choices dropped, seed)
+PIECE_CASES = [(8, 1, 4, 0.0, 1), (8, 2, 4, 0.0, 2), (10, 2, 6, 0.3, 3), (9, 1, 3, 0.4, 4),
+               (5, 2, 4, 1.0, 5)]
+PIECE_LABELS = [N_("8 tokens, top-1, 4 experts, every choice kept"),
+                N_("8 tokens, top-2, 4 experts, every choice kept"),
+                N_("10 tokens, top-2, 6 experts, some choices dropped"),
+                N_("9 tokens, top-1, 3 experts, some choices dropped"),
+                N_("5 tokens, top-2, 4 experts, every choice dropped")]
+PIECE_DIM = 3
 
 
-permute_harness = _layer_harness("permute")
-unpermute_harness = _layer_harness("unpermute")
-_LAYER = [case(RANK, WORLD_SIZE, *c, label=layer_label(*c)) for c in LAYER_CASES]
+def piece_inputs(n: int) -> dict:
+    """Case n's data: tokens x (T, d), the experts chosen (T, k) (distinct per token), the kept
+    mask, gate weights (0 where dropped), the rows coming back for the kept choices, the order
+    they come back in, and the gradient sent into the combined output."""
+    num_tokens, k, experts, dropped, seed = PIECE_CASES[n]
+    g = torch.Generator().manual_seed(1300 + seed)
+    x = torch.randn(num_tokens, PIECE_DIM, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(num_tokens)])
+    kept = torch.rand(num_tokens, k, generator=g) >= dropped
+    weights = torch.rand(num_tokens, k, generator=g, dtype=torch.float64) * kept
+    kept_numbers = torch.flatten(torch.nonzero(torch.flatten(kept)))
+    back = kept_numbers[torch.randperm(len(kept_numbers), generator=g)]
+    rows = torch.randn(len(back), PIECE_DIM, generator=g, dtype=torch.float64)
+    grad = torch.randn(num_tokens, PIECE_DIM, generator=g, dtype=torch.float64)
+    return {"x": x, "expert_index": index, "kept": kept, "weights": weights, "order": back,
+            "rows": rows, "grad": grad}
+
+
+def permute_harness(fn, rank: int, world_size: int, n: int) -> dict | None:
+    """Rank 0: the rows and order `fn` returns, and the gradient its rows pass back to x."""
+    if rank != 0:
+        return None
+    data = piece_inputs(n)
+    x = data["x"].clone().requires_grad_()
+    rows, order = fn(x, data["expert_index"], data["kept"])
+    (rows * rows).sum().backward()
+    return {"rows": rows.detach(), "order": order, "input gradient": x.grad}
+
+
+def unpermute_harness(fn, rank: int, world_size: int, n: int) -> dict | None:
+    """Rank 0: `fn`'s combined output and the gradients it passes to rows and weights."""
+    if rank != 0:
+        return None
+    data = piece_inputs(n)
+    rows = data["rows"].clone().requires_grad_()
+    weights = data["weights"].clone().requires_grad_()
+    out = fn(rows, data["order"], weights, len(data["x"]))
+    (out * data["grad"]).sum().backward()
+    return {"output": out.detach(), "rows gradient": rows.grad, "weights gradient": weights.grad}
+
+
+_PIECES = [case(RANK, WORLD_SIZE, n, label=label) for n, label in enumerate(PIECE_LABELS)]
 
 register_on_sub_worlds(
     "lesson13.permute", NOTEBOOK,
     params=("x", "expert_index", "kept"),
-    cases=_LAYER,
-    reference="lesson13:layer",
-    explain="lesson13:explain_layer",
+    cases=_PIECES,
+    reference="lesson13:permute",
+    explain="lesson13:explain_permute",
     harness=permute_harness,
     points=2,
     time_limit=10.0,
-    rtol=0.0, atol=1e-10,
+    rtol=0.0, atol=1e-12,
     hints=("Dispatch is a sort: the rows leave grouped by the expert they go to, and each row "
            "must still say which token and which of its choices it came from.",
            "Number the choices token by token, the way the (tokens, k) table is laid out. Keep "
@@ -180,13 +245,13 @@ register_on_sub_worlds(
 register_on_sub_worlds(
     "lesson13.unpermute", NOTEBOOK,
     params=("rows", "order", "weights", "num_tokens"),
-    cases=_LAYER,
-    reference="lesson13:layer",
-    explain="lesson13:explain_layer",
+    cases=_PIECES,
+    reference="lesson13:unpermute",
+    explain="lesson13:explain_unpermute",
     harness=unpermute_harness,
     points=2,
     time_limit=10.0,
-    rtol=0.0, atol=1e-10,
+    rtol=0.0, atol=1e-12,
     hints=("Combine undoes the sort: each returning row belongs to one (token, choice), and a "
            "token with two choices gets two rows back. The router's weight of that choice "
            "scales its row.",
@@ -210,7 +275,7 @@ DROP_CASES = [
 def keep_harness(fn, rank: int, world_size: int, kind: str, *args) -> dict | None:
     """A hand-made case on rank 0 ("local"), or the layer with `fn` as its drop policy."""
     if kind == "layer":
-        return on_first_ranks(args[0], _layer_body, fn, "keep", *args)
+        return on_first_ranks(args[0], _layer_body, fn, *args)
     if rank != 0:
         return None
     _, index, scores, experts, capacity = DROP_CASES[args[0]]
@@ -222,8 +287,7 @@ register_on_sub_worlds(
     "lesson13.keep_top_scores", NOTEBOOK,
     params=("expert_index", "scores", "num_experts", "capacity"),
     cases=[case(RANK, WORLD_SIZE, "local", n, label=c[0]) for n, c in enumerate(DROP_CASES)]
-    + [case(RANK, WORLD_SIZE, "layer", *c, label=layer_label(*c)) for c in LAYER_CASES
-       if c[2] is not None],
+    + [case(RANK, WORLD_SIZE, "layer", *c, label=layer_label(*c)) for c in LAYER_CASES],
     reference="lesson13:keep_top_scores",
     explain="lesson13:explain_keep_top_scores",
     harness=keep_harness,

@@ -3,9 +3,11 @@ docstring).
 
 A block of the all_to_all check says where it comes from: element m of what rank i sends rank
 j is 100 i + 10 j + m, so a wrong block is read back as "rank 2's block for rank 0". The
-layer's cases are judged against one process that computes every expert on every token of the
-whole batch, weighted by the same gates (`course_lib.moe.dense_reference`), routed in as many
-groups as there are ranks, so its drops are the ranks' drops.
+permutation's cases are judged against `course_lib.moe_dispatch` (the packaged module, as
+every reference runs) on the case's data. The layer's cases are judged against one process
+that computes every expert on every token of the whole batch, weighted by the same gates
+(`course_lib.moe.dense_reference`), routed in as many groups as there are ranks, so its drops
+are the ranks' drops.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from course_lib.course.compare import mismatch
 from course_lib.course.grading.exercises.lesson13 import (A2A_SIZES, DROP_CASES, a2a_block,
-                                                          layer_batch, whole_layer)
+                                                          layer_batch, piece_inputs, whole_layer)
 from course_lib.i18n import _
 
 # --- lesson13.pairwise_all_to_all -----------------------------------------------------------------
@@ -77,6 +79,109 @@ def explain_pairwise_all_to_all(c, rank: int, expected, got) -> str | None:
     return None
 
 
+# --- lesson13.permute and lesson13.unpermute (rank 0, the case's data) ----------------------------
+
+
+def permute(rank: int, world_size: int, n: int) -> dict | None:
+    if rank != 0:
+        return None
+    from course_lib import moe_dispatch
+
+    data = piece_inputs(n)
+    x = data["x"].clone().requires_grad_()
+    rows, order = moe_dispatch.permute(x, data["expert_index"], data["kept"])
+    (rows * rows).sum().backward()
+    return {"rows": rows.detach(), "order": order, "input gradient": x.grad}
+
+
+def _choice(c: int, k: int) -> dict:
+    return {"c": c, "t": c // k, "j": c % k}
+
+
+def explain_permute(c, rank: int, expected, got) -> str | None:
+    if not isinstance(got, dict) or expected is None:
+        return None
+    data = piece_inputs(c.args[2])
+    k, flat = data["expert_index"].shape[1], data["expert_index"].reshape(-1)
+    have, want = got.get("order"), expected["order"]
+    if _differs(expected, got, "order"):
+        if not isinstance(have, torch.Tensor) or have.dim() != 1 or have.is_floating_point():
+            return None
+        mine, right = set(have.tolist()), set(want.tolist())
+        if mine - right:
+            extra = min(mine - right)
+            return _("order holds choice {c} (token {t}, its choice {j}), which was dropped: "
+                     "only kept choices leave for an expert", **_choice(extra, k))
+        if right - mine:
+            return _("order misses the kept choice {c} (token {t}, its choice {j})",
+                     **_choice(min(right - mine), k))
+        if len(have) != len(want):
+            return _("order lists a choice more than once")
+        experts = flat[have].tolist()
+        for i in range(1, len(experts)):
+            if experts[i] < experts[i - 1]:
+                return _("order is not grouped by expert: choice {c} (expert {e}) comes after a "
+                         "choice of expert {before}; the rows leave expert by expert",
+                         c=int(have[i]), e=experts[i], before=experts[i - 1])
+        first = next(i for i in range(len(want)) if int(have[i]) != int(want[i]))
+        return _("inside expert {e} the choices are not in token order: token {t} comes before "
+                 "token {s}", e=experts[first], t=int(have[first]) // k,
+                 s=int(want[first]) // k)
+    if _differs(expected, got, "rows"):
+        rows = got.get("rows")
+        if not isinstance(rows, torch.Tensor) or rows.shape != expected["rows"].shape:
+            return _("rows has one row per kept choice, {n} of them, of the token's width",
+                     n=len(want))
+        i = next((i for i in range(len(rows))
+                  if not torch.allclose(rows[i], expected["rows"][i], rtol=0.0, atol=1e-12)), 0)
+        return _("row {i} should be a copy of token {t}, whose choice {c} is order[{i}]", i=i,
+                 t=int(want[i]) // k, c=int(want[i]))
+    if _differs(expected, got, "input gradient"):
+        return _("rows and order are right but the gradient does not reach the tokens: the rows "
+                 "must be built from x with operations autograd follows")
+    return None
+
+
+def unpermute(rank: int, world_size: int, n: int) -> dict | None:
+    if rank != 0:
+        return None
+    return _combined(n, weighted=True)
+
+
+def _combined(n: int, weighted: bool) -> dict:
+    """The reference combine of case n (weighted=False: every kept choice weighs 1)."""
+    from course_lib import moe_dispatch
+
+    data = piece_inputs(n)
+    rows = data["rows"].clone().requires_grad_()
+    weights = (data["weights"] if weighted else data["kept"].to(rows.dtype)).clone()
+    weights.requires_grad_()
+    out = moe_dispatch.unpermute(rows, data["order"], weights, len(data["x"]))
+    (out * data["grad"]).sum().backward()
+    return {"output": out.detach(), "rows gradient": rows.grad, "weights gradient": weights.grad}
+
+
+def explain_unpermute(c, rank: int, expected, got) -> str | None:
+    if not isinstance(got, dict) or expected is None:
+        return None
+    n = c.args[2]
+    if _differs(expected, got, "output"):
+        have, want = got.get("output"), expected["output"]
+        if not isinstance(have, torch.Tensor) or have.shape != want.shape:
+            return _("the output has one row per token, {n} of them, of the rows' width",
+                     n=len(want))
+        unit = _combined(n, weighted=False)["output"]
+        return _token_reason(rank, have, want, unit, piece_inputs(n))
+    if _differs(expected, got, "rows gradient"):
+        return _("the output is right but the gradient of rows is not: the combine must be "
+                 "built from operations autograd follows")
+    if _differs(expected, got, "weights gradient"):
+        return _("the output is right but the gradient of weights is not: the router learns "
+                 "through them, so the combine must multiply by them with operations autograd "
+                 "follows")
+    return None
+
+
 # --- the layer ------------------------------------------------------------------------------------
 
 
@@ -106,11 +211,10 @@ def layer(rank: int, world_size: int, k: int, top_k: int, factor, per: int) -> d
     return {"output": y.tensor_split(k)[rank], "input gradient": grad.tensor_split(k)[rank]}
 
 
-def _token_reason(rank: int, expected: dict, got: dict, k: int, case_args) -> str | None:
-    have, want = got.get("output"), expected["output"]
-    if not isinstance(have, torch.Tensor) or have.shape != want.shape:
-        return None
-    unit = _dense(*case_args, weighted=False)[0].tensor_split(k)[rank]
+def _token_reason(rank: int, have: torch.Tensor, want: torch.Tensor, unit: torch.Tensor,
+                  data: dict | None = None) -> str | None:
+    """Why a combined output `have` is not `want` (unit: the output without the router's
+    weights); `data`: a piece case's inputs, to name the row a token got instead."""
     if torch.allclose(have, unit, rtol=0.0, atol=1e-10):
         return _("every token's output is the plain sum of its experts' outputs, "
                  "without the router's weights", rank=rank)
@@ -126,9 +230,17 @@ def _token_reason(rank: int, expected: dict, got: dict, k: int, case_args) -> st
         return _("token {t} keeps a place at an expert, yet its output is zero",
                  rank=rank, t=t)
     moved = [s for s in range(len(want)) if torch.allclose(have[t], want[s], atol=1e-10)]
+    if not moved and data is not None:  # the weighted row of another token's choice
+        k = data["weights"].shape[1]
+        gate = data["weights"].reshape(-1)[data["order"]].unsqueeze(1)
+        moved = [int(data["order"][i]) // k for i, row in enumerate(data["rows"] * gate)
+                 if int(data["order"][i]) // k != t and torch.allclose(have[t], row, atol=1e-10)]
     if moved:
         return _("token {t} got the output of token {s}: the rows did not come "
                  "back to their tokens", rank=rank, t=t, s=moved[0])
+    if data is not None:
+        return _("the output of {n} of the {total} tokens is not the weighted sum of the rows of "
+                 "their kept choices, first token {t}", n=len(bad), total=len(want), t=t)
     return _("the output of {n} of its {total} tokens differs from one process "
              "computing every expert, first token {t}", rank=rank, n=len(bad), total=len(want),
              t=t)
@@ -139,7 +251,11 @@ def explain_layer(c, rank: int, expected, got) -> str | None:
         return None
     args = c.args[2:]
     if _differs(expected, got, "output"):
-        return _token_reason(rank, expected, got, args[0], args)
+        have, want = got.get("output"), expected["output"]
+        if not isinstance(have, torch.Tensor) or have.shape != want.shape:
+            return None
+        unit = _dense(*args, weighted=False)[0].tensor_split(args[0])[rank]
+        return _token_reason(rank, have, want, unit)
     if _differs(expected, got, "input gradient"):
         return _("the output is right but the input gradient is not: the "
                  "combine must be built from operations autograd follows", rank=rank)
