@@ -35,6 +35,7 @@ from course_lib.checkpoint_format import (FORMAT, MANIFEST, ST_DTYPE, Checkpoint
                                           crc32, map_file, parse_shard, read_manifest,
                                           read_shard, shard_name, shard_parts, verify,
                                           write_shard)
+from course_lib.i18n import _
 from course_lib.zero import Piece
 
 __all__ = ["MANIFEST", "FORMAT", "VALUE_TYPES", "ST_DTYPE", "CheckpointError", "Crc32", "crc32",
@@ -56,18 +57,22 @@ def flatten(state_dict: Any, prefix: str = "") -> dict[str, tuple[Any, Any, Any]
     items = state_dict.items() if isinstance(state_dict, dict) else enumerate(state_dict)
     for k, v in items:
         if not isinstance(k, (str, int)):
-            raise TypeError(f"checkpoint: key {k!r} under {prefix or 'the root'!r} is not a str")
+            raise TypeError(_("checkpoint: key {key} under {prefix} is not a str", key=repr(k),
+                              prefix=repr(prefix)) if prefix else
+                            _("checkpoint: key {key} under 'the root' is not a str", key=repr(k)))
         key = f"{prefix}{k}"
         if isinstance(v, (dict, list)) and len(v):
             sub = flatten(v, key + ".")
         elif isinstance(v, (torch.Tensor, Piece, dict, list) + VALUE_TYPES):
             sub = {key: (v, state_dict, k)}
         else:
-            raise TypeError(f"checkpoint: {key!r} is a {type(v).__name__}; a state dict holds "
-                            "tensors, Pieces, JSON values and dicts/lists of them")
+            raise TypeError(_("checkpoint: {key} is a {kind}; a state dict holds tensors, Pieces, "
+                              "JSON values and dicts/lists of them", key=repr(key),
+                              kind=type(v).__name__))
         clash = out.keys() & sub.keys()
         if clash:
-            raise ValueError(f"checkpoint: two entries flatten to the key {clash.pop()!r}")
+            raise ValueError(_("checkpoint: two entries flatten to the key {key}",
+                               key=repr(clash.pop())))
         out.update(sub)
     return out
 
@@ -162,15 +167,16 @@ def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str
         if kinds == {"value"}:
             differ = [r for r, h in held if h["value"] != held[0][1]["value"]]
             if differ:
-                raise ValueError(f"{key!r} differs between rank {held[0][0]} and rank "
-                                 f"{differ[0]}: key a rank's own state by its rank")
+                raise ValueError(_("{key} differs between rank {a} and rank {b}: key a rank's own "
+                                   "state by its rank", key=repr(key), a=held[0][0], b=differ[0]))
             values[key] = held[0][1]["value"]
             continue
         r0, h0 = held[0]
         for r, h in held:
             if (h["dtype"], h["shape"]) != (h0["dtype"], h0["shape"]):
-                raise ValueError(f"{key!r} is {h0['dtype']}{h0['shape']} on rank {r0} but "
-                                 f"{h['dtype']}{h['shape']} on rank {r}")
+                raise ValueError(_("{key} is {a} on rank {ra} but {b} on rank {rb}", key=repr(key),
+                                   a=f"{h0['dtype']}{h0['shape']}", ra=r0,
+                                   b=f"{h['dtype']}{h['shape']}", rb=r))
         pieces: dict[tuple[int, int], int] = {}
         for r, h in held:
             span = (h["offset"], h["numel"])
@@ -181,8 +187,9 @@ def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str
         at = 0
         for (offset, n), r in sorted(pieces.items()):
             if offset != at or offset + n > numel:
-                raise ValueError(f"{key!r}: its pieces overlap or leave elements "
-                                 f"[{at}, {offset}) of {numel} to no rank")
+                raise ValueError(_("{key}: its pieces overlap or leave elements [{at}, {offset}) "
+                                   "of {numel} to no rank", key=repr(key), at=at, offset=offset,
+                                   numel=numel))
             at = offset + n
             name = key if h0["kind"] == "tensor" else f"{key}@{offset}"
             entries[key]["pieces"].append({"rank": r, "name": name, "offset": offset,
@@ -190,7 +197,8 @@ def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str
             writes[r].append((key, name))
             load[r] += n
         if at != numel:
-            raise ValueError(f"{key!r}: elements [{at}, {numel}) are held by no rank")
+            raise ValueError(_("{key}: elements [{at}, {numel}) are held by no rank", key=repr(key),
+                               at=at, numel=numel))
     return entries, values, writes
 
 
@@ -242,7 +250,7 @@ def plan_save(leaves: dict, folder: Path, dist: Any, group: Any, world: int) -> 
     try:
         plan = SavePlan(leaves, [p["plan"] for p in plans], world, plans[0]["token"], folder)
     except ValueError as exc:
-        raise CheckpointError(f"save of {folder}: {exc}") from None
+        raise CheckpointError(_("save of {folder}: {exc}", folder=folder, exc=exc)) from None
     folder.mkdir(parents=True, exist_ok=True)
     return plan
 
@@ -279,16 +287,17 @@ def destinations(leaves: dict, manifest: dict, folder: Path | str = "") -> Targe
         raise CheckpointError(f"{folder}: no {', '.join(map(repr, missing[:5]))}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     targets = Targets(leaves, manifest)
-    for key, (leaf, _, _) in leaves.items():
+    for key, (leaf, _container, _k) in leaves.items():
         if not is_tensor(leaf):
             continue
         entry = manifest["tensors"][key]
         tensor, start, shape = ((leaf.tensor, leaf.offset, list(leaf.shape))
                                 if isinstance(leaf, Piece) else (leaf, 0, list(leaf.shape)))
         if (dtype_name(tensor.dtype), shape) != (entry["dtype"], entry["shape"]):
-            raise CheckpointError(f"{key!r}: the checkpoint holds {entry['dtype']}"
-                                  f"{entry['shape']}, the state dict asks for "
-                                  f"{dtype_name(tensor.dtype)}{shape}")
+            raise CheckpointError(_("{key}: the checkpoint holds {held}, the state dict asks for "
+                                    "{asked}", key=repr(key),
+                                    held=f"{entry['dtype']}{entry['shape']}",
+                                    asked=f"{dtype_name(tensor.dtype)}{shape}"))
         if tensor.is_contiguous():
             row = tensor.detach().view(-1)
         else:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from course_lib.dist.wire import byte_view
+from course_lib.i18n import _
 
 MANIFEST = "manifest.json"
 FORMAT = "course_lib.checkpoint/1"
@@ -109,7 +110,8 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor],
     try:
         write(path, parts)
     except Exception as exc:  # noqa: BLE001 - named with the file, for every rank to read
-        raise CheckpointError(f"writing {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(_("writing {path}: {kind}: {exc}", path=path,
+                                kind=type(exc).__name__, exc=exc)) from exc
     finally:
         hasher.join()
     return {"bytes": sum(len(p) for p in parts), "crc32": digest.hexdigest()}
@@ -127,27 +129,30 @@ def read_manifest(checkpoint_id: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no {MANIFEST} (the save never finished)") from None
+        raise CheckpointError(_("{folder}: no {manifest} (the save never finished)",
+                                folder=folder, manifest=MANIFEST)) from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from None
+        raise CheckpointError(_("{path}: unreadable manifest: {exc}", path=path, exc=exc)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not all(
             isinstance(manifest.get(k), dict) for k in ("files", "tensors", "values")):
-        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+        raise CheckpointError(_("{path}: not a {format} manifest", path=path, format=FORMAT))
     for name, info in manifest["files"].items():
         if Path(name).name != name:
-            raise CheckpointError(f"{path}: file name {name!r} leaves the folder")
+            raise CheckpointError(_("{path}: file name {name} leaves the folder", path=path,
+                                    name=repr(name)))
         try:
             size = (folder / name).stat().st_size
         except OSError:
-            raise CheckpointError(f"{folder / name}: missing") from None
+            raise CheckpointError(_("{file}: missing", file=folder / name)) from None
         if size != info.get("bytes"):
-            raise CheckpointError(f"{folder / name}: {size} bytes, the manifest says "
-                                  f"{info.get('bytes')} (truncated or overwritten)")
+            raise CheckpointError(_("{file}: {size} bytes, the manifest says {listed} (truncated "
+                                    "or overwritten)", file=folder / name, size=size,
+                                    listed=info.get("bytes")))
     for key, entry in manifest["tensors"].items():
         for piece in entry.get("pieces", []):
             if piece.get("file") not in manifest["files"]:
-                raise CheckpointError(f"{path}: {key!r} is in {piece.get('file')}, which it "
-                                      "does not list")
+                raise CheckpointError(_("{path}: {key} is in {file}, which it does not list",
+                                        path=path, key=repr(key), file=piece.get("file")))
     return manifest
 
 
@@ -156,7 +161,7 @@ def map_file(path: Path) -> torch.Tensor:
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < 8:
-                raise CheckpointError(f"{path}: too short for a safetensors file")
+                raise CheckpointError(_("{path}: too short for a safetensors file", path=path))
             mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except OSError as exc:
@@ -186,17 +191,20 @@ def parse_shard(buffer: torch.Tensor, path: Path | str = "shard") -> dict[str, t
             out[name] = raw.view(dtype).view(-1) if numel else torch.empty(0, dtype=dtype)
         return out
     except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a safetensors file: {exc}") from None
+        raise CheckpointError(_("{path}: not a safetensors file: {exc}", path=path,
+                                exc=exc)) from None
 
 
 def read_shard(folder: Path, name: str, info: dict) -> dict[str, torch.Tensor]:
     """One shard's tensors after checking its size and checksum against the manifest's `info`."""
     data = map_file(Path(folder) / name)
     if data.numel() != info["bytes"]:
-        raise CheckpointError(f"{Path(folder) / name}: {data.numel()} bytes, the manifest says "
-                              f"{info['bytes']} (truncated or overwritten)")
+        raise CheckpointError(_("{file}: {size} bytes, the manifest says {listed} (truncated or "
+                                "overwritten)", file=Path(folder) / name, size=data.numel(),
+                                listed=info["bytes"]))
     if crc32(data) != info["crc32"]:
-        raise CheckpointError(f"{Path(folder) / name}: checksum mismatch (the file is corrupt)")
+        raise CheckpointError(_("{file}: checksum mismatch (the file is corrupt)",
+                                file=Path(folder) / name))
     return parse_shard(data, Path(folder) / name)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from course_lib.backend import comm_device
+from course_lib.i18n import _
 
 COMM_HOOK_TIMEOUT = 300.0  # seconds a bucket's hook future may take before it is an error
 
@@ -78,8 +79,9 @@ class TimedWork:
 
     def __init__(self, work: Any, bucket: Bucket):
         if not callable(getattr(work, "wait", None)):
-            raise TypeError("launch_bucket must return the Work of its asynchronous "
-                            f"all_reduce (it has a wait() method), got {type(work).__name__}")
+            raise TypeError(_("launch_bucket must return the Work of its asynchronous "
+                              "all_reduce (it has a wait() method), got {kind}",
+                              kind=type(work).__name__))
         self.work, self.bucket = work, bucket
 
     def wait(self) -> bool:
@@ -110,9 +112,10 @@ def check_same_tensors(tensors: Sequence[torch.Tensor], what: str, *, dist: Any,
     differ = [r for r in range(1, world) if not torch.equal(sigs[r], sigs[0])]
     if differ:
         ranks = ", ".join(str(r) for r in differ)
-        raise RuntimeError(f"{what}: rank(s) {ranks} of the group hold parameters whose count, "
-                           f"shapes or dtypes differ from rank 0's (seen on rank "
-                           f"{dist.get_rank(group)}); every rank must wrap the same model")
+        raise RuntimeError(_("{what}: rank(s) {ranks} of the group hold parameters whose "
+                             "count, shapes or dtypes differ from rank 0's (seen on rank "
+                             "{rank}); every rank must wrap the same model", what=what,
+                             ranks=ranks, rank=dist.get_rank(group)))
 
 
 # -- communication hooks --------------------------------------------------------------------
@@ -149,12 +152,14 @@ def check_comm_hook(hook: Callable) -> None:
     """A clear error now, not in the middle of backward, for a hook that is not
     hook(state, bucket)."""
     if not callable(hook):
-        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        raise TypeError(_("register_comm_hook: hook must be callable, got {kind}",
+                          kind=type(hook).__name__))
     try:
         inspect.signature(hook).bind(None, None)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"register_comm_hook: hook must take (state, bucket), as torch's "
-                        f"hooks do: {getattr(hook, '__name__', hook)!r} {exc}") from None
+        raise TypeError(_("register_comm_hook: hook must take (state, bucket), as torch's "
+                          "hooks do: {name} {exc}", name=repr(getattr(hook, "__name__", hook)),
+                          exc=exc)) from None
 
 
 class _HookWork:
@@ -162,25 +167,28 @@ class _HookWork:
 
     def __init__(self, future: Any, buffer: torch.Tensor, what: str):
         if not callable(getattr(future, "wait", None)) or not hasattr(future, "add_done_callback"):
-            raise TypeError(f"{what} must return a torch.futures.Future, got "
-                            f"{type(future).__name__}")
+            raise TypeError(_("{what} must return a torch.futures.Future, got {kind}",
+                              what=what, kind=type(future).__name__))
         self.future, self.buffer, self.what = future, buffer, what
         self.event = threading.Event()
         future.add_done_callback(lambda _: self.event.set())
 
     def wait(self) -> bool:
         if not self.event.wait(COMM_HOOK_TIMEOUT):
-            raise TimeoutError(f"{self.what} did not complete within {COMM_HOOK_TIMEOUT:g}s")
+            raise TimeoutError(_("{what} did not complete within {seconds}s", what=self.what,
+                                 seconds=f"{COMM_HOOK_TIMEOUT:g}"))
         value = self.future.wait()
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         if not isinstance(value, torch.Tensor) or value.numel() != self.buffer.numel():
-            raise RuntimeError(f"{self.what} returned {type(value).__name__} "
-                               f"{list(getattr(value, 'shape', []))}; expected the reduced "
-                               f"buffer of {self.buffer.numel()} elements")
+            raise RuntimeError(_("{what} returned {kind} {shape}; expected the reduced buffer "
+                                 "of {n} elements", what=self.what, kind=type(value).__name__,
+                                 shape=list(getattr(value, "shape", [])),
+                                 n=self.buffer.numel()))
         if value.dtype != self.buffer.dtype:
-            raise RuntimeError(f"{self.what} returned {value.dtype} values; cast them back to "
-                               f"the gradients' {self.buffer.dtype}")
+            raise RuntimeError(_("{what} returned {dtype} values; cast them back to the "
+                                 "gradients' {want}", what=self.what, dtype=value.dtype,
+                                 want=self.buffer.dtype))
         if value.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(value.reshape(-1))
         return True
@@ -202,11 +210,12 @@ def register_comm_hook(ddp: Any, state: object, hook: Callable) -> None:
     then holds the sum of this rank's gradients, not divided by the world size."""
     check_comm_hook(hook)
     if ddp.comm_hook is not None:
-        raise RuntimeError("DistributedDataParallel.register_comm_hook can be called only once")
+        raise RuntimeError(_("DistributedDataParallel.register_comm_hook can be called only "
+                             "once"))
     if ddp.find_unused_parameters:
-        raise NotImplementedError("DistributedDataParallel: communication hooks with "
-                                  "find_unused_parameters=True are not supported")
+        raise NotImplementedError(_("DistributedDataParallel: communication hooks with "
+                                    "find_unused_parameters=True are not supported"))
     if ddp.in_backward:
-        raise RuntimeError("DistributedDataParallel.register_comm_hook: register the hook "
-                           "before training, not during a backward")
+        raise RuntimeError(_("DistributedDataParallel.register_comm_hook: register the hook "
+                             "before training, not during a backward"))
     ddp.comm_hook, ddp.grad_divisor = (state, hook), 1

@@ -254,8 +254,8 @@ def _module_named(key: str) -> str:
     for module in COMPONENTS:
         if key in (module, module.replace(".", "_"), module.rsplit(".", 1)[-1]):
             return module
-    raise TypeError(f"use() got {key!r}: not a component the learner writes; they are: "
-                    f"{', '.join(sorted(COMPONENTS))}")
+    raise TypeError(_("use() got {key}: not a component the learner writes; they are: {names}",
+                      key=repr(key), names=", ".join(sorted(COMPONENTS))))
 
 
 def _apply(choices: dict[str, str], clusters: Iterable | None) -> None:
@@ -279,7 +279,8 @@ def use(default: str | None = None, /, *, clusters: Iterable | None = None,
     choices = _choices()
     for value in [default, *modules.values()]:
         if value is not None and value not in CHOICES:
-            raise ValueError(f"use() takes 'mine' or 'reference', got {value!r}")
+            raise ValueError(_("use() takes 'mine' or 'reference', got {value}",
+                               value=repr(value)))
     if default is not None:
         choices = {"*": default}
     choices.update({_module_named(k): v for k, v in modules.items()})
@@ -336,12 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     matches = [x for x in lessons if x == args.lesson or x.split("_")[0] == number
                or x.split("_")[0].rstrip("abcdefgh") == number]
     if not matches:
-        print(f"course.py export: no lesson {args.lesson!r} with exercises to export; "
-              f"they are: {', '.join(lessons)}", file=sys.stderr)
+        print(_("course.py export: no lesson {lesson} with exercises to export; they are: "
+                "{lessons}", lesson=repr(args.lesson), lessons=", ".join(lessons)),
+              file=sys.stderr)
         return 2
     if args.notebook and len(matches) > 1:
-        print(f"course.py export: {args.lesson!r} has {len(matches)} parts "
-              f"({', '.join(matches)}): name one to give its notebook", file=sys.stderr)
+        print(_("course.py export: {lesson} has {n} parts ({parts}): name one to give its "
+                "notebook", lesson=repr(args.lesson), n=len(matches), parts=", ".join(matches)),
+              file=sys.stderr)
         return 2
     written = []
     try:
@@ -351,5 +354,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"course.py export: {exc}", file=sys.stderr)
         return 1
     for path in written:
-        print(f"wrote {path}")
+        print(_("wrote {path}", path=path))
     return 0

@@ -1,16 +1,32 @@
 """Command line: `python -m course_lib.course.bench {allreduce,ddp,tp,pipeline,zero,checkpoint,train}
-... --json FILE`, and `python -m course_lib.course.bench report` (the page of the kept runs)."""
+... --json FILE`, `python -m course_lib.course.bench report` (the page of the kept runs), and
+`python -m course_lib.course.bench all` (every benchmark at the page's sizes, then the page)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
 import sys
+import time
 
 from course_lib.course.bench.common import format_table, write_json
 from course_lib.course.bench import report
 
 BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train", "ring_attention")
+# What `all` runs: the page's sizes. Timing on two shared cores: world size 2 (the capstone's
+# layouts need 4), one intra-op thread per process (OMP_NUM_THREADS=1 for every process).
+SUITE: dict[str, tuple[str, ...]] = {
+    "allreduce": ("--world", "2"),
+    "ddp": ("--world", "2", "--iters", "20"),
+    "tp": ("--worlds", "1,2"),
+    "pipeline": ("--stages", "2", "--repeats", "3"),
+    "zero": ("--world", "2"),
+    "checkpoint": ("--worlds", "2", "--mib", "64"),
+    "train": (),
+    "ring_attention": ("--cps", "1,2"),
+}
 
 
 def without_outputs(argv: list[str]) -> list[str]:
@@ -26,10 +42,43 @@ def without_outputs(argv: list[str]) -> list[str]:
     return kept
 
 
+def run_all(argv: list[str]) -> int:
+    """`all [NAME ...] [--results DIR]`: run each benchmark of SUITE (or those named) in its own
+    process, keeping `DIR/NAME.json` and `DIR/NAME.png`, then regenerate the page. A benchmark
+    that fails keeps its previous run and makes the command fail."""
+    parser = argparse.ArgumentParser(prog="python -m course_lib.course.bench all",
+                                     description=run_all.__doc__)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"of {', '.join(SUITE)} (default: all)")
+    parser.add_argument("--results", default=str(report.RESULTS), help="the kept runs' folder")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(SUITE))
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(SUITE)}")
+    os.makedirs(args.results, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    failed = []
+    for name in args.names or list(SUITE):
+        out = os.path.join(args.results, name)
+        cmd = [sys.executable, "-m", "course_lib.course.bench", name, *SUITE[name],
+               "--json", f"{out}.json", "--plot", f"{out}.png"]
+        start = time.perf_counter()
+        code = subprocess.run(cmd, env=env).returncode
+        print(f"{name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    report.main(["--results", args.results])
+    if failed:
+        print(f"failed (their previous runs kept): {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:  # the page of every kept run, not a benchmark
         return report.main(argv[1:])
+    if argv[:1] == ["all"]:
+        return run_all(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m course_lib.course.bench", description=__doc__)
     sub = parser.add_subparsers(dest="name", required=True)
     modules = {}
@@ -37,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             modules[name] = importlib.import_module(f"course_lib.course.bench.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"course_lib.course.bench.{name}":
+            if exc.name != f"course_lib.course.bench.{name}" and name in argv[:1]:
+                raise
+            continue  # absent, or broken while another benchmark is asked for
+        except Exception:  # noqa: BLE001 - only the benchmark asked for must import
+            if name in argv[:1]:
                 raise
             continue
         mod = modules[name]
