@@ -27,7 +27,7 @@ from course_lib import pipeline_schedules as sch
 from course_lib.pipeline_actions import Action, Schedule
 from course_lib.pipeline_check import Costs, simulate
 from course_lib.pipeline_comms import Message, Op, Post, Program, Wait
-from course_lib.backend import default_dist
+from course_lib.backend import comm_device, default_dist
 from course_lib.pipeline_split import split_sequential
 
 WHAT = ("act", "grad")
@@ -44,11 +44,13 @@ def build_model(seed: int, width: int = 4, blocks: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_batch(seed: int, rows: int, width: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets, float64."""
+def make_batch(seed: int, rows: int, width: int = 4, device: Any = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets, float64, on `device`: drawn on the CPU from a seeded generator (the
+    same numbers on any device), then moved."""
     g = torch.Generator().manual_seed(seed + 1000)
-    return (torch.randn(rows, width, generator=g, dtype=torch.float64),
-            torch.randn(rows, width, generator=g, dtype=torch.float64))
+    return tuple(torch.randn(rows, width, generator=g, dtype=torch.float64, device="cpu"
+                             ).to(device) for _ in range(2))
 
 
 def cut(model: nn.Sequential, n_chunks: int) -> list[nn.Sequential]:
@@ -91,8 +93,12 @@ class Executor:
         self.schedule, self.chunks, self.shapes, self.loss_fn = schedule, chunks, shapes, loss_fn
         self.program, self.dist = program, default_dist(dist)
         self.stage = self.dist.get_rank()
-        self.dtype = next((q.dtype for c in chunks.values() for q in c.parameters()),
-                          torch.get_default_dtype())
+        first = next((q for c in chunks.values() for q in c.parameters()), None)
+        self.dtype = torch.get_default_dtype() if first is None else first.dtype
+        # data (activations, gradients) on the parameters' device; headers on the
+        # communicator's (course_lib.backend.comm_device: CUDA under NCCL, else the CPU)
+        self.device = torch.device("cpu") if first is None else first.device
+        self.control = comm_device(self.dist)
         self.backward_input, self.backward_weight = backward_input, backward_weight
         self._counting_hooks()
 
@@ -141,8 +147,8 @@ class Executor:
             else:
                 shape = self.shapes[op.message.src if op.message.what == "act"
                                     else op.message.dst]
-                pair = [torch.empty(4, dtype=torch.int64),
-                        torch.empty(shape, dtype=self.dtype)]
+                pair = [torch.empty(4, dtype=torch.int64, device=self.control),
+                        torch.empty(shape, dtype=self.dtype, device=self.device)]
                 self.works[op] = [self.dist.irecv(t, op.peer, tag=0) for t in pair] + [pair]
 
     def wait(self, ops: Sequence[Op]) -> None:
@@ -158,10 +164,10 @@ class Executor:
                                        f"{op.peer}, got {got} (programs out of order)")
                 self.inbox[op.message] = tensor
 
-    @staticmethod
-    def header(msg: Message) -> torch.Tensor:
-        """[kind, micro-batch, source chunk, destination chunk], int64."""
-        return torch.tensor([WHAT.index(msg.what), msg.mb, msg.src, msg.dst], dtype=torch.int64)
+    def header(self, msg: Message) -> torch.Tensor:
+        """[kind, micro-batch, source chunk, destination chunk], int64, on the control device."""
+        return torch.tensor([WHAT.index(msg.what), msg.mb, msg.src, msg.dst], dtype=torch.int64,
+                            device=self.control)
 
     @staticmethod
     def message_of(header: torch.Tensor) -> Message:

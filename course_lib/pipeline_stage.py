@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from course_lib.backend import default_dist, global_rank
+from course_lib.backend import comm_device, default_dist, global_rank
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 MAX_DIMS = 8
@@ -24,15 +24,16 @@ HEADER_LEN = 3 + MAX_DIMS  # int64: dtype code, micro-batch, ndim, the shape pad
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 
 
-def make_header(tensor: torch.Tensor, microbatch: int) -> torch.Tensor:
+def make_header(tensor: torch.Tensor, microbatch: int, device: Any = None) -> torch.Tensor:
     """The header that goes before `tensor`: its dtype's index in DTYPES, the micro-batch, the
-    number of dimensions and the shape padded with zeros to MAX_DIMS, as HEADER_LEN int64."""
+    number of dimensions and the shape padded with zeros to MAX_DIMS, as HEADER_LEN int64 on
+    `device` (None: torch's default; a stage passes its `control_device`)."""
     if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
         raise ValueError(f"can only send tensors of <= {MAX_DIMS} dims and dtype in {DTYPES}, "
                          f"got {tensor.dtype} of shape {tuple(tensor.shape)}")
     dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
     return torch.tensor([DTYPES.index(tensor.dtype), microbatch, tensor.dim(), *dims],
-                        dtype=torch.int64)
+                        device=device, dtype=torch.int64)
 
 
 class Posted(NamedTuple):
@@ -48,11 +49,18 @@ class PipelineStage:
     """One stage of the pipeline: `submodule` run on this rank, with its neighbours' ranks.
 
     `stage_index` must be this rank's rank in `group` and `num_stages` the group's size.
+    Activations and gradients arrive on `device` (default: the submodule's parameters'
+    device, else the CPU); headers on `control_device`, where the group wants small control
+    tensors (`course_lib.backend.comm_device`: the GPU under NCCL, else the CPU).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, *,
-                 dist: Any = None, group: Any = None):
+                 dist: Any = None, group: Any = None, device: Any = None):
         self.submodule, self.dist, self.group = submodule, default_dist(dist), group
+        first = next(submodule.parameters(), None)
+        self.device = torch.device(device if device is not None else
+                                   "cpu" if first is None else first.device)
+        self.control_device = comm_device(self.dist, group)
         rank, world = self.dist.get_rank(group), self.dist.get_world_size(group)
         if num_stages != world:
             raise ValueError(f"num_stages={num_stages} but the group has {world} ranks "
@@ -68,6 +76,10 @@ class PipelineStage:
         self._sending: list[tuple] = []
 
     # -- the interface of stage_send and stage_recv
+
+    def header(self, tensor: torch.Tensor, microbatch: int) -> torch.Tensor:
+        """`make_header(tensor, microbatch)` on this stage's control device."""
+        return make_header(tensor, microbatch, self.control_device)
 
     def track_send(self, work: Any, tensor: torch.Tensor, dst: int, what: str) -> None:
         """Hand a started send to `wait_sends`: it waits for `work` there (an error names `what`
@@ -102,7 +114,7 @@ class PipelineStage:
     def irecv(self, src: int, tag: int, microbatch: int, like: torch.Tensor) -> None:
         """Post the receives of header + a tensor shaped like `like` now (the micro-batches of a
         step share one shape), so the transfer overlaps compute; `recv` collects them."""
-        header = make_header(like, microbatch)  # a buffer: the receive overwrites it
+        header = self.header(like, microbatch)  # a buffer: the receive overwrites it
         tensor = torch.empty_like(like, memory_format=torch.contiguous_format)
         try:
             works = [self.dist.irecv(header, src, group=self.group, tag=tag),
@@ -126,7 +138,7 @@ def stage_send(stage: PipelineStage, tensor: torch.Tensor, dst: int, tag: int,
     tensor = tensor.detach().contiguous()
     what = f"isend (tag {tag}) of micro-batch {microbatch}"
     try:
-        for t in (make_header(tensor, microbatch), tensor):
+        for t in (stage.header(tensor, microbatch), tensor):
             work = stage.dist.isend(t, dst, group=stage.group, tag=tag)
             stage.track_send(work, t, dst, what)
     except Exception as exc:
@@ -142,10 +154,11 @@ def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> tor
     posted = stage.take_posted(src, tag)
     try:
         if posted is None:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=stage.control_device)
             stage.dist.recv(header, src, group=stage.group, tag=tag)
             code, ndim = int(header[0]), int(header[2])
-            tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code])
+            tensor = torch.empty([int(v) for v in header[3:3 + ndim]], dtype=DTYPES[code],
+                                 device=stage.device)
             stage.dist.recv(tensor, src, group=stage.group, tag=tag)
         else:
             header, tensor = posted.header, posted.tensor
@@ -157,7 +170,7 @@ def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> tor
     if got != microbatch or (posted is not None and posted.microbatch != microbatch):
         raise RuntimeError(f"pipeline stage {stage.stage_index}: expected {what} from rank "
                            f"{src} but got micro-batch {got} (schedules out of step?)")
-    if posted is not None and not torch.equal(header, make_header(tensor, microbatch)):
+    if posted is not None and not torch.equal(header, stage.header(tensor, microbatch)):
         raise RuntimeError(f"pipeline stage {stage.stage_index}: {what} from rank {src} has "
                            "another shape or dtype than the step's first micro-batch")
     return tensor

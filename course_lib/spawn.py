@@ -3,7 +3,8 @@
 `spawn(fn, world_size, backend="gloo")` is what tests, benchmarks and scripts use when they do
 not need an interactive cluster: like `torch.multiprocessing.spawn` plus `init_process_group`,
 but results come back in rank order, every wait is bounded, and the processes are ended by PID
-on every path.
+on every path. Each rank gets LOCAL_RANK and, on a host with a GPU per rank, its own GPU
+(`bind_local_gpu`), as torchrun's ranks do.
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+def bind_local_gpu(local_rank: int, local_world_size: int) -> Any:
+    """The launch contract for a process that may use a GPU: when CUDA sees a GPU for each of
+    the `local_world_size` processes of this host, `torch.cuda.set_device(local_rank)` before
+    any process group starts (so `"cuda"`, NCCL and `comm_device` mean this rank's GPU, not
+    every rank's cuda:0) and return that device; else None (no CUDA, or ranks that must share
+    a GPU: the caller places its tensors)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < local_world_size:
+        return None
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args, kwargs,
             env=None, cwd=None):
     if env is not None:  # the fork server's were frozen when it started: take the caller's
@@ -44,6 +59,9 @@ def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args
         os.environ.update(env)
         os.chdir(cwd)
     try:
+        # every rank of a spawn is on this host: its rank is its local rank
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        bind_local_gpu(rank, world_size)
         to_parent.put(("addr", rank, backends.prepare(backend, rank)))
         init_kwargs = from_parent.get(timeout=timeout)
         backends.init(backend, rank, world_size, timeout=timeout, **init_kwargs)

@@ -82,21 +82,22 @@ class ParallelLinear(nn.Module):
 
     Built with the same seed on every rank, the shards are the slices of the `nn.Linear` one
     process builds with that seed (the result of Megatron-LM's CPU initialization, which builds
-    the whole weight and splits it).
+    the whole weight and splits it). It is drawn on the CPU and moved to `device` (None: stays
+    on the CPU); `from_linear` takes the unsplit layer's device.
     """
 
     dim = 0  # the dimension of the weight that is split: 0 rows (outputs), 1 columns (inputs)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dist: Any, group: Any,
-                 parts: int = 1):
+                 parts: int = 1, device: Any = None):
         super().__init__()
         self.dist, self.group = default_dist(dist), group
         self.rank = self.dist.get_rank(group)
         self.world_size = self.dist.get_world_size(group)
         self.in_features, self.out_features, self.parts = in_features, out_features, parts
-        weight, b = self._initial_slice(bias)
-        self.weight = nn.Parameter(weight)
-        self.bias = None if b is None else nn.Parameter(b)
+        weight, b = self._initial_slice(bias)  # drawn on the CPU, then moved to `device`
+        self.weight = nn.Parameter(weight.to(device))
+        self.bias = None if b is None else nn.Parameter(b.to(device))
 
     def _initial_slice(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError("a subclass plugs in the initialization (initial_slice)")
@@ -121,7 +122,7 @@ class ParallelLinear(nn.Module):
         leaves the caller's random state as it was."""
         with torch.random.fork_rng(devices=[]):
             layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                        **kwargs)
+                        device=linear.weight.device, **kwargs)
         layer.load_full(linear)
         return layer
 
@@ -141,10 +142,10 @@ class ColumnParallel(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, dist: Any = None, group: Any = None,
-                 parts: int = 1):
+                 parts: int = 1, device: Any = None):
         d = default_dist(dist)
         divide(out_features, d.get_world_size(group) * parts, "out_features")
-        super().__init__(in_features, out_features, bias, d, group, parts)
+        super().__init__(in_features, out_features, bias, d, group, parts, device)
         self.gather_output = gather_output
 
     @classmethod
@@ -163,16 +164,18 @@ class RowParallel(ParallelLinear):
     `input_is_parallel=True` (the usual case, after a column-parallel layer) expects x already
     split along its last dimension; False takes the whole x and keeps this rank's slice. The
     bias is whole on every rank, added once after the sum, and broadcast from the group's first
-    rank at construction, so ranks seeded differently still agree on it.
+    rank at construction, so ranks seeded differently still agree on it (on `device`: a
+    NCCL group takes CUDA tensors only).
     """
 
     dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 input_is_parallel: bool = True, dist: Any = None, group: Any = None):
+                 input_is_parallel: bool = True, dist: Any = None, group: Any = None,
+                 device: Any = None):
         d = default_dist(dist)
         divide(in_features, d.get_world_size(group), "in_features")
-        super().__init__(in_features, out_features, bias, d, group)
+        super().__init__(in_features, out_features, bias, d, group, device=device)
         if self.bias is not None and self.world_size > 1:
             self.dist.broadcast(self.bias.data, global_rank(self.dist, group, 0), group=group)
         self.input_is_parallel = input_is_parallel
@@ -195,10 +198,10 @@ class ParallelMLP(TrackedDropout, nn.Module):
     def __init__(self, d_model: int, d_hidden: int, bias: bool = True, *,
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu, dist: Any = None,
                  group: Any = None, dropout: float = 0.0,
-                 tracker: RNGStatesTracker | None = None):
+                 tracker: RNGStatesTracker | None = None, device: Any = None):
         super().__init__()
-        self.fc1 = self.column(d_model, d_hidden, bias, dist=dist, group=group)
-        self.fc2 = self.row(d_hidden, d_model, bias, dist=dist, group=group)
+        self.fc1 = self.column(d_model, d_hidden, bias, dist=dist, group=group, device=device)
+        self.fc2 = self.row(d_hidden, d_model, bias, dist=dist, group=group, device=device)
         self.activation = activation
         self.dropout, self.tracker = dropout, tracker
         self._install_dropout(self.fc2)
@@ -214,7 +217,7 @@ class ParallelMLP(TrackedDropout, nn.Module):
                              f"{fc2.in_features}")
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             mlp = cls(fc1.in_features, fc1.out_features, activation=activation, dist=dist,
-                      group=group, dropout=dropout, tracker=tracker)
+                      group=group, dropout=dropout, tracker=tracker, device=fc1.weight.device)
         mlp.fc1 = cls.column.from_linear(fc1, dist=dist, group=group)
         mlp.fc2 = cls.row.from_linear(fc2, dist=dist, group=group)
         mlp._install_dropout(mlp.fc2)
@@ -235,7 +238,8 @@ class HeadParallelAttention(TrackedDropout, nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, *,
                  causal: bool = False, dist: Any = None, group: Any = None,
-                 dropout: float = 0.0, tracker: RNGStatesTracker | None = None):
+                 dropout: float = 0.0, tracker: RNGStatesTracker | None = None,
+                 device: Any = None):
         super().__init__()
         d = default_dist(dist)
         if embed_dim % num_heads:
@@ -245,8 +249,9 @@ class HeadParallelAttention(TrackedDropout, nn.Module):
         self.head_dim = embed_dim // num_heads
         self.embed_dim, self.num_heads, self.causal = embed_dim, num_heads, causal
         # One packed projection; this rank's rows are [its q heads; its k heads; its v heads].
-        self.qkv = self.column(embed_dim, 3 * embed_dim, bias, dist=d, group=group, parts=3)
-        self.out_proj = self.row(embed_dim, embed_dim, bias, dist=d, group=group)
+        self.qkv = self.column(embed_dim, 3 * embed_dim, bias, dist=d, group=group, parts=3,
+                               device=device)
+        self.out_proj = self.row(embed_dim, embed_dim, bias, dist=d, group=group, device=device)
         self.dropout, self.tracker = dropout, tracker
         self._install_dropout(self.out_proj)
 
@@ -261,9 +266,10 @@ class HeadParallelAttention(TrackedDropout, nn.Module):
         has_bias = mha.in_proj_bias is not None
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             attn = cls(mha.embed_dim, mha.num_heads, has_bias, causal=causal, dist=dist,
-                       group=group, dropout=dropout, tracker=tracker)
+                       group=group, dropout=dropout, tracker=tracker,
+                       device=mha.in_proj_weight.device)
         packed = nn.Linear(mha.embed_dim, 3 * mha.embed_dim, bias=has_bias,
-                           dtype=mha.in_proj_weight.dtype)
+                           dtype=mha.in_proj_weight.dtype, device=mha.in_proj_weight.device)
         with torch.no_grad():
             packed.weight.copy_(mha.in_proj_weight)
             if has_bias:

@@ -6,7 +6,8 @@
    and nothing a component holds may leave `meta`.
 2. A fake-CUDA launcher: torch.cuda and init_process_group monkeypatched, so the launch
    contract (LOCAL_RANK -> set_device before init -> NCCL for CUDA data, bound by device_id) and
-   the control device (`comm_device`) are checked without a GPU.
+   the control device (`comm_device`) are checked without a GPU; so are `spawn`'s ranks (each
+   its own GPU before its group starts) and the benchmarks' clock (CUDA synchronized first).
 3. A process group whose asynchronous outputs stay poisoned (NaN, or -1 for integers) until
    that work's own `wait()`, as a CUDA result is unusable until its stream wait (NCCL marks a
    future complete at enqueue): a communication hook that reads results before waiting gets
@@ -152,6 +153,163 @@ def test_fully_shard_keeps_a_meta_model_on_meta():
     net(torch.randn(4, 8, device="meta")).sum().backward()
     assert_on_meta(list(net.parameters()), "parameter (shard)")
     assert_on_meta([p.grad for p in net.parameters()], "shard grad")
+
+
+class MailDist(FakeDist):
+    """Point-to-point between FakeDists of one process: a send posts (src, dst, tag, tensor)
+    to a shared mailbox, a receive copies the first match into its buffer (an irecv when its
+    work is waited on). Every tensor handed over is logged as (call, dtype, device)."""
+
+    def __init__(self, world, rank, mailbox, log):
+        super().__init__(world, rank)
+        self.mailbox, self.log = mailbox, log
+
+    def isend(self, tensor, dst, group=None, tag=0):
+        self.log.append(("send", tensor.dtype, tensor.device.type))
+        self.mailbox.append((self.rank, dst, tag, tensor))
+        return _Done([tensor])
+
+    def _take(self, tensor, src, tag):
+        i = next(i for i, (s, d, t, _) in enumerate(self.mailbox)
+                 if (s, d, t) == (src, self.rank, tag))
+        tensor.copy_(self.mailbox.pop(i)[3])
+
+    def recv(self, tensor, src, group=None, tag=0):
+        self.log.append(("recv", tensor.dtype, tensor.device.type))
+        self._take(tensor, src, tag)
+
+    def irecv(self, tensor, src, group=None, tag=0):
+        self.log.append(("recv", tensor.dtype, tensor.device.type))
+        take = self._take
+
+        class Later(_Done):
+            def wait(self, timeout=None):  # the copy happens here, as a real wait's would
+                take(tensor, src, tag)
+                return True
+
+        return Later([tensor])
+
+
+def test_a_pipeline_stage_receives_data_on_its_device_and_headers_on_the_control_device(
+        monkeypatch):
+    """Lesson 07b's stage on `meta` parameters: the activation buffers it allocates follow the
+    parameters, its headers go where `comm_device` says (the CPU for this fake group)."""
+    from course_lib import pipeline_stage as ps
+
+    asked = []
+    monkeypatch.setattr(ps, "comm_device", lambda dist, group=None: (
+        asked.append((dist, group)), torch.device("cpu"))[1], raising=False)
+    mailbox, log = [], []
+    dists = [MailDist(2, r, mailbox, log) for r in range(2)]
+    with torch.device("meta"):
+        stages = [ps.PipelineStage(nn.Linear(3, 3), r, 2, dist=dists[r]) for r in range(2)]
+    got = []
+    for j in range(2):
+        stages[0].send(torch.ones(2, 3, device="meta"), 1, ps.ACTIVATION_TAG, j)
+        got.append(stages[1].recv(0, ps.ACTIVATION_TAG, j))  # j = 0 plain, j = 1 posted
+        if j == 0:
+            stages[1].irecv(0, ps.ACTIVATION_TAG, 1, like=got[0])
+    stages[0].wait_sends()
+    assert [t.device.type for t in got] == ["meta", "meta"]
+    wrong = [entry for entry in log
+             if entry[2] != ("cpu" if entry[1] == torch.int64 else "meta")]
+    assert not wrong, f"headers must be on the control device, data on meta: {wrong}"
+    assert asked == [(dists[0], None), (dists[1], None)]  # the control device: comm_device's
+
+
+def test_the_schedule_executor_receives_data_on_its_device_and_headers_on_the_control_device():
+    """Lesson 07d's executor: the buffers it posts follow the chunks' parameters (data) and
+    `comm_device` (headers)."""
+    from course_lib import pipeline_multi as ex
+    from course_lib.pipeline_comms import Message, Op
+
+    s = ex.sch.make("1f1b", 2, 2)
+    with torch.device("meta"):
+        chunks = ex.cut(ex.build_model(0, blocks=2), s.n_chunks)
+    mailbox, log = [], []
+    run = ex.Executor(s, {1: chunks[1]}, [torch.Size([2, 4])] * 2, nn.functional.mse_loss,
+                      program=[], dist=MailDist(2, 1, mailbox, log))
+    run.works, op = {}, Op(False, 0, Message("act", 0, 0, 1))
+    run.post([op])
+    header, tensor = run.works[op][-1]
+    assert (header.device.type, tensor.device.type) == ("cpu", "meta")
+    assert run.header(op.message).device.type == "cpu"
+    x, y = ex.make_batch(0, 4, device="meta")
+    assert x.device.type == y.device.type == "meta"
+
+
+def test_tensor_parallel_layers_broadcast_their_bias_on_the_model_device():
+    """A row-parallel layer broadcasts its bias at construction: on the unsplit layer's
+    device, the only one a NCCL group takes (a CPU bias there is refused)."""
+    from course_lib.tensor_parallel import (RowParallelLinear, TensorParallelAttention,
+                                            TensorParallelMLP)
+
+    class Recording(FakeDist):
+        def broadcast(self, tensor, src=0, group=None, async_op=False):
+            devices.append(tensor.device.type)
+            return self._done("broadcast", async_op, [tensor])
+
+    devices, dist = [], Recording(world=2)
+    with torch.device("meta"):
+        fc1, fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    layers = [RowParallelLinear.from_linear(fc2, dist=dist),
+              TensorParallelMLP.from_linears(fc1, fc2, dist=dist),
+              TensorParallelAttention.from_torch(mha, dist=dist)]
+    assert devices and set(devices) == {"meta"}, devices
+    assert_on_meta([p for layer in layers for p in layer.parameters()], "parameter")
+
+
+def test_spawned_ranks_each_get_their_own_gpu_before_the_group_starts(fake_cuda, monkeypatch):
+    """course_lib.spawn's ranks on a host with a GPU each: set_device(rank) before `init`
+    (the launch contract), LOCAL_RANK set; with fewer GPUs than ranks, no binding."""
+    import queue
+
+    from course_lib import spawn
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setattr(spawn.backends, "init", lambda *a, **kw: fake_cuda.append(("init",)))
+
+    def seen(rank, world):
+        import os
+        return torch.cuda.current_device(), os.environ["LOCAL_RANK"]
+
+    def run_rank(rank, world):
+        to_parent, from_parent = queue.Queue(), queue.Queue()
+        from_parent.put({})
+        from_parent.put("done")
+        spawn._worker(rank, world, "none", 5, to_parent, from_parent, seen, (), {})
+        return _drain(to_parent)
+
+    assert run_rank(1, 2) == (1, "1")
+    assert fake_cuda == [("set_device", 1), ("init",)]
+    fake_cuda.clear()
+    assert run_rank(3, 8)[1] == "3"
+    assert fake_cuda == [("init",)]  # 8 ranks, 4 GPUs: they share, the caller places them
+
+
+def _drain(q):
+    """The result a rank's `_worker` reported (its "ok" message)."""
+    while True:
+        kind, _, payload = q.get_nowait()
+        if kind == "ok":
+            return payload
+        assert kind != "err", payload
+
+
+def test_the_benchmark_clock_waits_for_the_gpu(monkeypatch):
+    """Kernels and NCCL calls return when queued: a timer must synchronize the CUDA device
+    before it reads the clock, and only then."""
+    from course_lib.course.bench.common import clock
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    start = clock("cuda:1")
+    assert synced == [torch.device("cuda", 1)]
+    assert clock("cpu") >= start and clock(None) >= start and len(synced) == 1
+    clock(torch.device("cuda", 0))
+    assert synced[-1] == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("call", ["send", "isend", "recv", "all_reduce", "broadcast", "all_gather",

@@ -1,7 +1,7 @@
 """tools/gpu_smoke.py, run on the CPU (`--device cpu`) so that it cannot rot between GPU runs:
 its runner (fresh processes per check, a timeout, one line per check, JSON out), one component
 at world size 1 and the two-rank scratch check. The full CPU run is `python3
-tools/gpu_smoke.py --device cpu` (about 1.5 minutes on two busy cores)."""
+tools/gpu_smoke.py --device cpu` (two to four minutes on two cores, depending on their load)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_a_gpu_only_check_is_skipped_on_the_cpu():
     finally:
         sys.path.remove(str(ROOT / "tools"))
     assert not gpu_smoke.runnable("cuda", "cpu") and gpu_smoke.runnable("any", "cpu")
+    assert gpu_smoke.runnable("gpus2", "cpu")  # two ranks over gloo stand in for two GPUs
     assert {"ddp.w1", "zero1.w1", "zero2.w1", "fsdp.w1", "tp.w1", "hooks.w1", "checkpoint.w1",
-            "train.w1", "ddp.gloo.w2", "scratch.w2",
+            "train.w1", "ddp.gloo.w2", "scratch.w2", "pipeline.gpus2", "tp.gpus2",
             "train.layouts.gpus4"} <= gpu_smoke.CHECKS.keys()

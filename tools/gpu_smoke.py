@@ -8,9 +8,10 @@ FAIL line, not a dead runner; one line per check, and with --json the results as
 
 On one GPU: NCCL at world size 1 for every component and the capstone (against its CPU
 reference), autocast on the GPU, and two ranks sharing cuda:0 over gloo (which stages CUDA
-tensors through host memory) and over the scratch backend (which refuses them by name). With 4
-GPUs or more, also every capstone layout under torchrun on NCCL, its losses against one
-process's. `--device cpu` runs the same checks on the CPU (gloo in place of NCCL, no GPU-only
+tensors through host memory) and over the scratch backend (which refuses them by name). With 2
+GPUs or more, a rank per GPU on NCCL: lesson 07d's executor running every pipeline schedule in
+NCCL's per-pair order, and tensor parallelism's bias broadcast. With 4 GPUs or more, also every
+capstone layout under torchrun on NCCL, its losses against one process's. `--device cpu` runs the same checks on the CPU (gloo in place of NCCL, no GPU-only
 check): tests/test_gpu_smoke.py runs a few of them that way, so the script cannot rot.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ CHECKS: dict = {}  # name -> (function, world size, timeout in seconds, needs)
 
 
 def check(name, world=1, timeout=120, needs="any"):
-    """needs: "any" (CPU or GPU), "cuda" (a GPU), "gpus4" (a node of 4 GPUs)."""
+    """needs: "any" (CPU or GPU), "cuda" (a GPU), "gpus2" (a GPU per rank for 2 ranks; on the
+    CPU, gloo), "gpus4" (a node of 4 GPUs)."""
     def register(fn):
         CHECKS[name] = (fn, world, timeout, needs)
         return fn
@@ -297,6 +299,73 @@ def _same_gpu(rank, world, port):
                why=str(exc).splitlines()[0][:200])
 
 
+def init_own_gpu(rank, world, port, seconds=60):
+    """torch.distributed with a GPU per rank (`course_lib.spawn.bind_local_gpu`, then
+    "cpu:gloo,cuda:nccl" bound to it), or gloo on the CPU; returns (dist, device)."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    from course_lib.spawn import bind_local_gpu
+    mine = bind_local_gpu(rank, world) if device().type == "cuda" else None
+    extra = {} if mine is None else {"device_id": mine}
+    dist.init_process_group("gloo" if mine is None else "cpu:gloo,cuda:nccl",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=seconds), **extra)
+    return dist, mine or torch.device("cpu")
+
+
+def report_all(dist, bad):
+    """Every rank's failures, reported by rank 0 (the runner reads rank 0's RESULT)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, bad)
+    if dist.get_rank() == 0:
+        result(ok=not any(every), why="; ".join(b for rank in every for b in rank)[-600:])
+
+
+@check("pipeline.gpus2", world=2, timeout=180, needs="gpus2")
+def _pipeline(rank, world, port):
+    """Lesson 07d's executor, every schedule at m = 1, 3 and 8, a stage per GPU: headers over
+    gloo, activations and gradients over NCCL, in each pair's one order; the gradients of one
+    process in float64."""
+    import torch
+    from course_lib import pipeline_multi as ex
+    from course_lib import pipeline_schedules as sch
+    dist, mine = init_own_gpu(rank, world, port)
+    bad = []
+    for name in sch.SCHEDULES:
+        for m in (1, 3, 8):
+            s = sch.make(name, world, m)
+            x, y = ex.make_batch(m, 2 * m)
+            _, chunks = ex.run_step(rank, s, ex.build_model(m).to(mine), x.to(mine), y.to(mine),
+                                    ex.programs_for(s)[rank])
+            want = ex.reference_grads(ex.build_model(m), x, y, s.n_chunks)
+            got = [q.grad for c in chunks for q in c.parameters()]
+            ref = [r for c in s.chunks_of(rank) for r in want[c]]
+            if not (all(g is not None and g.device == mine for g in got)
+                    and all(torch.allclose(g.cpu(), r, rtol=1e-10, atol=1e-10)
+                            for g, r in zip(got, ref))):
+                bad.append(f"{name} m={m} stage {rank}")
+    report_all(dist, bad)
+
+
+@check("tp.gpus2", world=2, needs="gpus2")
+def _tp_bias(rank, world, port):
+    """Tensor parallelism on a GPU per rank: the row-parallel bias broadcast at construction
+    (NCCL refuses a CPU tensor), then the MLP against the unsplit one."""
+    import torch
+    dist, mine = init_own_gpu(rank, world, port)
+    from course_lib.tensor_parallel import TensorParallelMLP
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(32, 64).to(mine), torch.nn.Linear(64, 32).to(mine)
+    tp = TensorParallelMLP.from_linears(fc1, fc2, dist=dist)
+    x = batch(2).to(mine)
+    y = tp(x)
+    want = fc2(torch.nn.functional.gelu(fc1(x)))
+    ok = y.device == mine and all(p.device == mine for p in tp.parameters()) and close(
+        [y], [want], 1e-4, 1e-5)
+    report_all(dist, [] if ok else [f"rank {rank}: off the GPU or off the unsplit MLP"])
+
+
 @check("scratch.w2", world=2)
 def _scratch(rank, world, port):
     import torch
@@ -402,9 +471,9 @@ def run(name, tmp, device_kind):
 def runnable(needs, device_kind):
     import torch
     if device_kind == "cpu":
-        return needs == "any"
+        return needs in ("any", "gpus2")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"any": gpus >= 1, "cuda": gpus >= 1, "gpus4": gpus >= 4}[needs]
+    return {"any": gpus >= 1, "cuda": gpus >= 1, "gpus2": gpus >= 2, "gpus4": gpus >= 4}[needs]
 
 
 def main(argv=None):

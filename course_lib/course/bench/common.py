@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares: statistics, the run's metadata, JSON rows, a text table."""
+"""Helpers every benchmark shares: statistics, a clock that waits for the GPU, the run's metadata,
+JSON rows, a text table."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import os
 import platform
 import statistics
+import time
 from typing import Any, Iterable, Sequence
 
 
@@ -23,6 +25,20 @@ def choose(text: str, known: Iterable[str], what: str = "variants") -> list[str]
 def median(values: Iterable[float]) -> float:
     """Median of the repeats: robust to the odd slow run on a shared 2-core machine."""
     return statistics.median(list(values))
+
+
+def clock(device: Any = None) -> float:
+    """`time.perf_counter()` once the work queued on `device` is done: on a CUDA device,
+    `torch.cuda.synchronize(device)` first (kernels and NCCL calls return when they are queued,
+    so the clock alone would time the queueing); on the CPU (or None) the clock at once. Time a
+    region as `start = clock(device); ...; seconds = clock(device) - start`."""
+    if device is not None:
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
