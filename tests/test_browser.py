@@ -148,7 +148,7 @@ def _shut_down_kernels(base: str) -> None:
 
 
 RANKS_IN_ORDER = "rank 0 of 4\nrank 1 of 4\nrank 2 of 4\nrank 3 of 4"
-HANG_CUT = "rank 2: still running after 5s (a hang or deadlock?)"
+HANG_CUT = "rank 2: still running after 2s (a hang or deadlock?)"
 
 
 def test_the_student_release_of_lesson_00_in_the_browser(lab):
