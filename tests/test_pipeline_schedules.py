@@ -201,8 +201,9 @@ def replay_peak(actions, schedule, stored) -> int:
     return peak
 
 
-@pytest.mark.parametrize("p, backend, ms", [(2, "scratch", (1, 3, 8)), (3, "scratch", (1, 3, 8)),
-                                            (2, "gloo", (4,))])
+# Gradients over the whole grid (p = 2..4, m = 1..8, gloo and scratch) are
+# tests/test_pipeline_grid.py's; here one world checks what a rank measures of its own stage.
+@pytest.mark.parametrize("p, backend, ms", [(3, "scratch", (1, 3, 8))])
 def test_same_gradients_as_one_process_on_real_ranks(p, backend, ms):
     per_rank = spawn(all_schedules, p, NAMES, ms, backend=backend, timeout=120)
     for rank, rows in enumerate(per_rank):
