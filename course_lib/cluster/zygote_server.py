@@ -27,6 +27,7 @@ import struct
 import sys
 import tempfile
 import traceback
+from typing import Callable
 
 PRELOAD = ("torch", "torch._dynamo", "ipyparallel.engine.app",  # _dynamo: see course_lib.spawn
            "ipyparallel.controller.app", "ipykernel.kernelapp")
@@ -61,7 +62,12 @@ def _become(request: dict) -> None:
         app = request.get("app")
         if app == "kernel":  # as ipykernel_launcher: the folder off sys.path while it loads
             del sys.path[0]
-            _exit_with(request["parent"])
+            contain = request.get("contain") or {}
+            _limit(contain.get("limits", {}))
+            if contain.get("namespace"):  # the parent's watch goes to the namespace's keeper
+                _enter_namespace(_still_running(request["parent"]))
+            else:
+                _exit_with(request["parent"])
             from ipykernel.kernelapp import IPKernelApp as App
         elif app == "controller":
             from ipyparallel.controller.app import IPController as App
@@ -82,12 +88,55 @@ def _become(request: dict) -> None:
         os._exit(code)
 
 
-def _exit_with(parent: int) -> None:
-    """End this process when `parent` (a kernel's manager, not its parent here) ends, as
-    ipykernel's parent poller does for the kernels a manager starts itself."""
-    import threading
+def _limit(limits: dict[str, int]) -> None:
+    """Set each named resource limit (soft and hard), as course-grade's kernels get them."""
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x20000000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+PR_SET_PDEATHSIG = 1
+
+
+def _enter_namespace(running: Callable[[], bool]) -> None:
+    """`unshare --pid --fork --kill-child --mount-proc` in this process: a new PID namespace
+    with its own /proc. This process stays outside as its keeper, which exits with its child's
+    status, or at once when `running()` (its manager) turns false; the child returns here as the
+    namespace's first process, killed with everything in the namespace when the keeper ends."""
+    import ctypes
     import time
 
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWPID | (CLONE_NEWUSER if uid else 0)) != 0:
+        raise OSError(ctypes.get_errno(), "unshare: no PID namespace for this kernel")
+    if uid:  # unprivileged: root inside the user namespace, as --map-root-user
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                           ("gid_map", f"0 {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    pid = os.fork()
+    if pid:  # no thread can start here (a PID namespace for children, not for us): a poll
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel alone
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+            if not running():
+                os._exit(1)
+            time.sleep(0.2)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Its own mount namespace: the keeper still reads the grader's /proc to watch it.
+    if (libc.unshare(CLONE_NEWNS) != 0
+            or libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0
+            or libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)):
+        raise OSError(ctypes.get_errno(), "mount: no /proc of this kernel's own")
+
+
+def _still_running(parent: int) -> Callable[[], bool]:
+    """Whether `parent` (a kernel's manager, not its parent here) still runs: the very process,
+    not a recycled PID. Ends this process at once if it is already gone."""
     import psutil
 
     # Not at the top: the zygote imports no course_lib module (see above), and only its own
@@ -98,9 +147,19 @@ def _exit_with(parent: int) -> None:
         manager = psutil.Process(parent)
     except psutil.NoSuchProcess:
         os._exit(1)
+    return lambda: alive(manager)
+
+
+def _exit_with(parent: int) -> None:
+    """End this process when `parent` ends, as ipykernel's parent poller does for the kernels
+    a manager starts itself."""
+    import threading
+    import time
+
+    running = _still_running(parent)
 
     def watch() -> None:
-        while alive(manager):  # the very process: a recycled PID is not it
+        while running():
             time.sleep(1.0)
         os._exit(1)
 

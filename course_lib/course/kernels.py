@@ -13,6 +13,7 @@ Registered as the entry point `course-zygote`; JupyterLab uses it with
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from course_lib.cluster import zygote
 from course_lib.processes import alive
 
 NAME = "course-zygote"  # the entry point's name (pyproject.toml)
+CONTAIN_ENV = "COURSE_GRADE_CONTAIN"  # course-grade's zygote and bounds for one kernel (JSON)
 LAUNCHER = ["-m", "ipykernel_launcher"]  # what the kernel command must run to be forked
 
 
@@ -66,6 +68,13 @@ class ForkedKernel:
         self.send_signal(signal.SIGKILL)
 
 
+def contained(env: dict[str, str]) -> dict | None:
+    """course-grade's request for this kernel (`CONTAIN_ENV`: the zygote's socket, the limits,
+    whether in a PID namespace of its own), taken out of `env` (not the kernel's to see)."""
+    text = env.pop(CONTAIN_ENV, None)
+    return json.loads(text) if text else None
+
+
 def forkable(cmd: list[str], kwargs: dict[str, Any]) -> str | None:
     """The shared zygote's socket if this launch can be forked from it, else None."""
     env = kwargs.get("env") or os.environ
@@ -80,16 +89,21 @@ class ZygoteProvisioner(LocalProvisioner):
     """jupyter_client's local provisioner, the ipykernel forked from the shared zygote."""
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any):
-        path = forkable(cmd, kwargs)
+        env = dict(kwargs.get("env") or os.environ, JPY_PARENT_PID=str(os.getpid()))
+        contain = contained(env)
+        path = contain["socket"] if contain else forkable(cmd, kwargs)
         if path is None:
             return await super().launch_kernel(cmd, **kwargs)
-        env = dict(kwargs.get("env") or os.environ, JPY_PARENT_PID=str(os.getpid()))
         # ipykernel read its parent from the zygote's environment at import: said again here
         argv = cmd[3:] + [f"--IPKernelApp.parent_handle={os.getpid()}"]
         request = zygote.request(argv, None, app="kernel", env=env,
                                  cwd=str(kwargs.get("cwd") or os.getcwd()), executable=cmd[0])
         request["parent"] = os.getpid()  # the kernel ends with this process, as ipykernel's would
+        if contain:
+            request["contain"] = {k: contain[k] for k in ("limits", "namespace")}
         pid = zygote.ask_shared(request, zygote.START_TIMEOUT, path)
+        if pid is None and contain:  # never a kernel outside the bounds it was asked in
+            raise RuntimeError(f"course-grade's kernel zygote at {path} did not fork the kernel")
         if pid is None:  # the zygote is gone or refused (another Python): a new Python, then
             return await super().launch_kernel(cmd, **kwargs)
         self.process = ForkedKernel(pid)

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,11 +28,13 @@ from pathlib import Path
 
 import nbformat
 
+from course_lib.cluster import zygote
 from course_lib.course.grading import containment, judge, plain, rebuild, sandbox
 from course_lib.course.catalogue import EXTRA_ENV, Exercise, exercises_for, lessons
 from course_lib.course.grading.grades import FIELDS, Results, _previous, _row, write_results
 from course_lib.course.grading.kernel_session import (FILE_LIMIT, MEMORY_LIMIT, PROBE_SECONDS,
-                                                      TREE_POLL_SECONDS, KernelSession, Limits)
+                                                      TREE_POLL_SECONDS, KernelSession, Limits,
+                                                      kernel_zygote)
 from course_lib.course.grading.learner import GRADING_ENV
 from course_lib.i18n import LANG_ENV, _, language, language_of
 from course_lib.course.overlay import HOME_ENV, USE_ENV
@@ -177,20 +180,21 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
 
 
 def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str | None = None,
-                     source: Path = SOURCE, env: dict[str, str] | None = None) -> list[dict]:
+                     source: Path = SOURCE, env: dict[str, str] | None = None,
+                     forked_from: subprocess.Popen | None = None) -> list[dict]:
     """One row per exercise of the submission's lesson (or one row if that cannot be told).
-    `source` holds the instructor's notebooks.
+    `source` holds the instructor's notebooks; `forked_from`, the run's kernel zygote.
     Reasons are written in the submission's edition (a Spanish notebook gets Spanish ones)."""
     nb, name, exercises, error = _read(sub, lesson)
     lang = language_of(nb) if nb is not None else None
     with language(lang):
         return _grade(sub, nb, name, exercises, error, limits, source,
-                      dict(env or os.environ, **({LANG_ENV: lang} if lang else {})))
+                      dict(env or os.environ, **({LANG_ENV: lang} if lang else {})), forked_from)
 
 
 def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
            exercises: list[Exercise], error: str, limits: Limits, source: Path,
-           env: dict[str, str]) -> list[dict]:
+           env: dict[str, str], forked_from: subprocess.Popen | None = None) -> list[dict]:
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
                 for ex, points, reason in graded]
@@ -220,7 +224,7 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
         session.start(dict(env, **{GRADING_ENV: "1", HOME_ENV: str(work / "home"),
                                    USE_ENV: ",".join(["reference", *(f"{m}=mine" for m in mine)]),
                                    "PYTHONPATH": path, containment.SUBMISSION_ENV: token}),
-                      work, limits)
+                      work, limits, forked_from)
         note, fatal = _run_notebook(session, list(nb.cells), limits.notebook_timeout)
         if fatal:
             return rows([(ex, 0.0, changed + fatal) for ex in exercises])
@@ -268,6 +272,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
     done = {r["notebook"] for r in results.rows}
     env = dict(os.environ, **{containment.TOKEN_ENV: ledger.token})
     ledger.write()  # our token is on disk before anything we start can carry it
+    forker = kernel_zygote()
     try:
         for sub in collect(paths):
             if str(sub.path) in done:
@@ -275,7 +280,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
                 continue
             start = time.monotonic()
             new = grade_submission(sub, limits=limits, lesson=lesson, source=Path(source),
-                                   env=env)
+                                   env=env, forked_from=forker)
             if results.tampered():
                 for r in new:
                     r["reason"] += (" [the submission wrote into the grades folder: "
@@ -287,5 +292,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
             progress(f"{sub.student} ({sub.path}): {got:g} / {best:g} points "
                      f"[{time.monotonic() - start:.0f}s]")
     finally:
+        if forker:
+            zygote.end(forker)
         ledger.clear()
     return results.rows

@@ -7,6 +7,9 @@ process of a PID namespace of its own (`unshare --pid --fork --kill-child --moun
 everything the submission starts, double-forked daemons that ignore or answer signals
 included, lives in that namespace, and when the kernel ends (or `unshare` is killed) the Linux
 kernel kills every process in it at once. No process of a submission can outlive its grading.
+A run's kernels are forked from its own zygote (`kernel_session.kernel_zygote`: torch imported
+once, no course_lib module), which applies the same limits and enters the same namespace itself
+(`zygote_server._enter_namespace`) before the kernel starts.
 Elsewhere the weaker means below are all there is, and `course-grade` says so.
 
 A kernel gets an address-space and a file-size limit (inherited by everything it starts), so

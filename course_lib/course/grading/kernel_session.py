@@ -5,7 +5,11 @@ time with a timeout, interrupted and probed after one, and ended with everything
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import run_sync
 
 from course_lib.cluster import zygote
+from course_lib.course import kernels
+from course_lib.course.overlay import STARTUP_ENV
 from course_lib.course.grading import containment
 from course_lib.processes import ProcessSet
 
@@ -36,6 +42,17 @@ class Limits:
     file_size: int = FILE_LIMIT
 
 
+def kernel_zygote() -> subprocess.Popen | None:
+    """A zygote for one run's kernels (its `.socket`), with torch and ipykernel imported once
+    and no course_lib module: nothing of the reference is in what it forks. None where
+    processes cannot fork."""
+    if not hasattr(os, "fork"):
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in (zygote.SOCKET_ENV, STARTUP_ENV)}
+    proc, proc.socket = zygote.start_shared(sys.executable, env)
+    return proc
+
+
 class KernelSession:
     """A fresh kernel for one submission; `close()` ends it and its process tree by PID."""
 
@@ -48,27 +65,41 @@ class KernelSession:
         self.tree = ProcessSet()  # the kernel and everything it starts
         self._closing = threading.Event()
         self._started = 0.0
+        self._spare: int | None = None
 
-    def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits()) -> None:
+    def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits(),
+              forked_from: subprocess.Popen | None = None) -> None:
         """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
-        sockets in the folder `sockets`; in a PID namespace of its own where Linux allows."""
+        sockets in the folder `sockets`; in a PID namespace of its own where Linux allows.
+        With `forked_from` (the run's `kernel_zygote`), forked from there inside the same bounds
+        instead of started as a new Python."""
         from jupyter_client.kernelspec import KernelSpecManager
 
-        name = containment.contained_kernel(sockets / "kernels")
+        # A submission's engines are forked inside its containment (limits, this subreaper),
+        # by its kernel's own zygote, never by a zygote shared with anything else.
+        env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
+        preexec = containment.limits(limits.memory, limits.file_size)
+        name = None
+        if forked_from:
+            kernels.use_in_this_process()
+            env[kernels.CONTAIN_ENV] = json.dumps({
+                "socket": forked_from.socket, "namespace": containment.namespace_command() is not None,
+                "limits": {"RLIMIT_AS": limits.memory, "RLIMIT_FSIZE": limits.file_size,
+                           "RLIMIT_CORE": 0}})
+            preexec = None
+            self._spare = forked_from.pid  # our child too, but every kernel's: not this one's
+        else:
+            name = containment.contained_kernel(sockets / "kernels")
         if name is not None:
             self.client.kernel_name = name
         self.client.km = self.client.create_kernel_manager()
         if name is not None:
             self.client.km.kernel_spec_manager = KernelSpecManager(
                 kernel_dirs=[str(sockets / "kernels")])
-        # A submission's engines are forked inside its containment (limits, this subreaper),
-        # by its kernel's own zygote, never by a zygote shared with anything else.
-        env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
         self._started = time.time() - 1.0  # create_time is rounded; a second of slack
-        self.client.start_new_kernel(env=env, cwd=str(self.cwd),
-                                     preexec_fn=containment.limits(limits.memory, limits.file_size))
+        self.client.start_new_kernel(env=env, cwd=str(self.cwd), preexec_fn=preexec)
         self.pid = self.client.km.provisioner.pid
         self._note()
         # Keep noting the kernel's descendants: if the kernel dies, they are re-parented to us.
@@ -78,7 +109,8 @@ class KernelSession:
     def _note(self) -> None:
         self.tree.add(self.pid)
         for child in containment.adopted_since(self._started):
-            self.tree.add(child)
+            if child.pid != self._spare:
+                self.tree.add(child)
 
     def _watch_tree(self) -> None:
         while not self._closing.wait(TREE_POLL_SECONDS):
@@ -126,5 +158,6 @@ class KernelSession:
             pass
         killed = self.tree.end(grace=5.0)
         for child in containment.adopted_since(self._started):  # forked while we ended the rest
-            self.tree.add(child)
+            if child.pid != self._spare:
+                self.tree.add(child)
         return killed + self.tree.end(grace=2.0)
