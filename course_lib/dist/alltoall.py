@@ -141,26 +141,34 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def check_lists(output_tensor_list: Sequence[torch.Tensor],
+                input_tensor_list: Sequence[torch.Tensor], size: int, group_rank: int,
+                rank: int) -> None:
+    """all_to_all's argument errors, on a group of `size` ranks in which this process is
+    `group_rank` (`rank` in the world, the number the errors name)."""
+    for what, tensors in (("output_tensor_list", output_tensor_list),
+                          ("input_tensor_list", input_tensor_list)):
+        if len(tensors) != size:
+            raise ValueError(f"all_to_all: {what} must hold one tensor per rank of the group "
+                             f"({size}), got {len(tensors)}")
+    dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
+    if len(dtypes) > 1:
+        raise ValueError(f"all_to_all: every tensor must have one dtype, got "
+                         f"{sorted(map(str, dtypes))}")
+    mine_in, mine_out = input_tensor_list[group_rank], output_tensor_list[group_rank]
+    if mine_in.shape != mine_out.shape:
+        raise ValueError(f"all_to_all: rank {rank}'s own block is "
+                         f"{list(mine_in.shape)} in input_tensor_list but "
+                         f"{list(mine_out.shape)} in output_tensor_list")
+
+
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
                group: ProcessGroup | None = None, async_op: bool = False, *,
                algorithm: str = "pairwise") -> Work | None:
     """input_tensor_list[j] of rank i lands in output_tensor_list[i] of rank j."""
     _check_algorithm(algorithm)
     g = resolve(group, "all_to_all")
-    for what, tensors in (("output_tensor_list", output_tensor_list),
-                          ("input_tensor_list", input_tensor_list)):
-        if len(tensors) != g.size:
-            raise ValueError(f"all_to_all: {what} must hold one tensor per rank of the group "
-                             f"({g.size}), got {len(tensors)}")
-    dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
-    if len(dtypes) > 1:
-        raise ValueError(f"all_to_all: every tensor must have one dtype, got "
-                         f"{sorted(map(str, dtypes))}")
-    mine_in, mine_out = input_tensor_list[g.rank], output_tensor_list[g.rank]
-    if mine_in.shape != mine_out.shape:
-        raise ValueError(f"all_to_all: rank {g.transport.rank}'s own block is "
-                         f"{list(mine_in.shape)} in input_tensor_list but "
-                         f"{list(mine_out.shape)} in output_tensor_list")
+    check_lists(output_tensor_list, input_tensor_list, g.size, g.rank, g.transport.rank)
     inputs = [_sendable(t) for t in input_tensor_list]
     outputs = [t.detach() for t in output_tensor_list]  # a receive fills a stand-in if strided
     name = f"all_to_all({algorithm})"
@@ -186,6 +194,23 @@ def _splits(sizes: Sequence[int] | None, tensor: torch.Tensor, p: int, what: str
     return sizes
 
 
+def check_single(output: torch.Tensor, input: torch.Tensor,
+                 output_split_sizes: Sequence[int] | None,
+                 input_split_sizes: Sequence[int] | None, size: int, group_rank: int,
+                 rank: int) -> tuple[list[int], list[int]]:
+    """all_to_all_single's argument errors (as `check_lists`); returns (in_sizes, out_sizes),
+    the rows of each block of `input` and of `output`."""
+    if input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
+        raise ValueError(f"all_to_all_single: input {input.dtype} {list(input.shape)} and output "
+                         f"{output.dtype} {list(output.shape)} must share dtype and trailing dims")
+    in_sizes = _splits(input_split_sizes, input, size, "input")
+    out_sizes = _splits(output_split_sizes, output, size, "output")
+    if in_sizes[group_rank] != out_sizes[group_rank]:
+        raise ValueError(f"all_to_all_single: rank {rank} keeps {in_sizes[group_rank]} rows of "
+                         f"its input but expects {out_sizes[group_rank]}")
+    return in_sizes, out_sizes
+
+
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None,
@@ -195,14 +220,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     blocks from ranks 0..p-1 in order, sized by output_split_sizes (even splits when None)."""
     _check_algorithm(algorithm)
     g = resolve(group, "all_to_all_single")
-    if input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
-        raise ValueError(f"all_to_all_single: input {input.dtype} {list(input.shape)} and output "
-                         f"{output.dtype} {list(output.shape)} must share dtype and trailing dims")
-    in_sizes = _splits(input_split_sizes, input, g.size, "input")
-    out_sizes = _splits(output_split_sizes, output, g.size, "output")
-    if in_sizes[g.rank] != out_sizes[g.rank]:
-        raise ValueError(f"all_to_all_single: rank {g.transport.rank} keeps "
-                         f"{in_sizes[g.rank]} rows of its input but expects {out_sizes[g.rank]}")
+    in_sizes, out_sizes = check_single(output, input, output_split_sizes, input_split_sizes,
+                                       g.size, g.rank, g.transport.rank)
     source = _sendable(input)
     if overlaps(source, output):
         source = source.clone()  # in place: the blocks we send must not be overwritten first

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from course_lib.dist.alltoall import _check_algorithm, _splits
+from course_lib.dist.alltoall import _check_algorithm, check_lists, check_single
 from course_lib.dist.peer import overlaps
 from course_lib.mpi.group import Group, _group, _state
 from course_lib.mpi.work import Work, _buffer, _contiguous, _host, _issue
@@ -42,14 +42,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     _check_algorithm(algorithm)
     g = _group(group, "all_to_all_single")
     p, me = g.comm.Get_size(), g.comm.Get_rank()
-    if input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
-        raise ValueError(f"all_to_all_single: input {input.dtype} {list(input.shape)} and output "
-                         f"{output.dtype} {list(output.shape)} must share dtype and trailing dims")
-    in_sizes = _splits(input_split_sizes, input, p, "input")
-    out_sizes = _splits(output_split_sizes, output, p, "output")
-    if in_sizes[me] != out_sizes[me]:
-        raise ValueError(f"all_to_all_single: rank {_me()} keeps {in_sizes[me]} rows of its "
-                         f"input but expects {out_sizes[me]}")
+    in_sizes, out_sizes = check_single(output, input, output_split_sizes, input_split_sizes,
+                                       p, me, _me())
     row = torch.Size(input.shape[1:]).numel()  # elements per row (1 for a vector)
     send = input.detach().contiguous()
     if overlaps(send, output):
@@ -69,19 +63,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     _check_algorithm(algorithm)
     g = _group(group, "all_to_all")
     p, me = g.comm.Get_size(), g.comm.Get_rank()
-    for what, tensors in (("output_tensor_list", output_tensor_list),
-                          ("input_tensor_list", input_tensor_list)):
-        if len(tensors) != p:
-            raise ValueError(f"all_to_all: {what} must hold one tensor per rank of the group "
-                             f"({p}), got {len(tensors)}")
-    dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
-    if len(dtypes) > 1:
-        raise ValueError(f"all_to_all: every tensor must have one dtype, got "
-                         f"{sorted(map(str, dtypes))}")
-    mine_in, mine_out = input_tensor_list[me], output_tensor_list[me]
-    if mine_in.shape != mine_out.shape:
-        raise ValueError(f"all_to_all: rank {_me()}'s own block is {list(mine_in.shape)} in "
-                         f"input_tensor_list but {list(mine_out.shape)} in output_tensor_list")
+    check_lists(output_tensor_list, input_tensor_list, p, me, _me())
     send = torch.cat([t.detach().reshape(-1) for t in input_tensor_list])
     recv_counts = [t.numel() for t in output_tensor_list]
     recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)

@@ -34,6 +34,33 @@ def on_first_ranks(k: int, body: Callable, fn: Callable, *args: Any) -> Any:
     return body(counting, counting.get_rank(), fn, *args)
 
 
+def harness(body: Callable, *leading: Any) -> Callable:
+    """A check's harness for cases (RANK, WORLD_SIZE, k, *args): `body(dist, rank, fn,
+    *leading, *args)` on the first k ranks (`on_first_ranks`); `leading` is e.g. which of a
+    class's methods the learner's `fn` replaces."""
+    def run(fn: Callable, rank: int, world_size: int, k: int, *args: Any) -> Any:
+        return on_first_ranks(k, body, fn, *leading, *args)
+    return run
+
+
+def counted_passes(dist: Any, forward: Callable[[], Any], weights: torch.Tensor,
+                   describe: Callable[[dict, dict], str]) -> dict:
+    """Run `forward()`, then backward of the loss `(output * weights).sum()`, counting each
+    pass's collectives on the counting `dist`: {"comm": describe(forward's, backward's),
+    "out": the output}. An output of the wrong shape still runs backward (with a zero loss), so
+    a table row shows the output and the collectives rather than a shape error."""
+    dist.reset()
+    y = forward()
+    ahead = dict(dist.calls)
+    dist.reset()
+    if isinstance(y, torch.Tensor) and y.shape == weights.shape:
+        (y * weights).sum().backward()
+    elif isinstance(y, torch.Tensor) and y.requires_grad:
+        (y * 0).sum().backward()
+    return {"comm": describe(ahead, dict(dist.calls)),
+            "out": y.detach() if isinstance(y, torch.Tensor) else y}
+
+
 def register_on_sub_worlds(name: str, notebook: str, **fields: Any) -> None:
     """An exercise whose cases run on sub-worlds of the grader's 4-rank scratch cluster."""
     register(Exercise(name=name, notebook=notebook, distributed=True, world_size=4, **fields))

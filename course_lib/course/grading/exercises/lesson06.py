@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
-from course_lib.course.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
+from course_lib.course.grading.sub_worlds import (counted_passes, harness,
+                                                  register_on_sub_worlds)
 
 NOTEBOOK = "06_tensor_parallel"
 
@@ -72,28 +73,6 @@ def comm(forward: dict, backward: dict) -> str:
     return f"forward: {_calls(forward)}; backward: {_calls(backward)}"
 
 
-def _passes(dist, forward, weights: torch.Tensor) -> dict:
-    """Run `forward()`, then backward of the loss `(output * weights).sum()`: the output and each
-    pass's collectives. An output of the wrong shape still runs backward (with a zero loss), so
-    its table row shows the output and the collectives rather than a shape error."""
-    dist.reset()
-    y = forward()
-    ahead = dict(dist.calls)
-    dist.reset()
-    if isinstance(y, torch.Tensor) and y.shape == weights.shape:
-        (y * weights).sum().backward()
-    elif isinstance(y, torch.Tensor) and y.requires_grad:
-        (y * 0).sum().backward()
-    return {"comm": comm(ahead, dict(dist.calls)),
-            "out": y.detach() if isinstance(y, torch.Tensor) else y}
-
-
-def _on_sub_worlds(body):
-    def harness(fn, rank: int, world_size: int, k: int, *args):
-        return on_first_ranks(k, body, fn, *args)
-    return harness
-
-
 def _register_06(name: str, cases: list, harness, *, hints: tuple, params: tuple) -> None:
     function = name.split(".", 1)[1]
     register_on_sub_worlds(name, NOTEBOOK, params=params, cases=cases,
@@ -120,11 +99,11 @@ def copy_upstream(seed: int, rank: int) -> torch.Tensor:
 
 def _copy_body(dist, rank: int, fn, seed: int) -> dict:
     x = copy_input(seed).requires_grad_()
-    out = _passes(dist, lambda: fn(x, dist, None), copy_upstream(seed, rank))
+    out = counted_passes(dist, lambda: fn(x, dist, None), copy_upstream(seed, rank), comm)
     return {**out, "dx": x.grad}
 
 
-_register_06("lesson06.copy_to_parallel", _FG_CASES, _on_sub_worlds(_copy_body), hints=(
+_register_06("lesson06.copy_to_parallel", _FG_CASES, harness(_copy_body), hints=(
     "f is the identity in the forward pass: every rank already holds the whole input. In the "
     "backward pass, rank r holds only its own term of dL/dx, the sum over ranks of dL/dy_r · "
     "A_r, and every rank needs the whole sum.",
@@ -149,11 +128,11 @@ def reduce_upstream(seed: int) -> torch.Tensor:
 def _reduce_body(dist, rank: int, fn, seed: int) -> dict:
     part = partial_result(seed, rank).requires_grad_()
     before = part.detach().clone()
-    out = _passes(dist, lambda: fn(part, dist, None), reduce_upstream(seed))
+    out = counted_passes(dist, lambda: fn(part, dist, None), reduce_upstream(seed), comm)
     return {**out, "d partial": part.grad, "input kept": torch.equal(part, before)}
 
 
-_register_06("lesson06.reduce_from_parallel", _FG_CASES, _on_sub_worlds(_reduce_body), hints=(
+_register_06("lesson06.reduce_from_parallel", _FG_CASES, harness(_reduce_body), hints=(
     "g is f's conjugate. Forward: the output is the sum of the ranks' partial results, the "
     "same on every rank. Backward: dL/dz is then the same on every rank too, and it is "
     "already the gradient of each partial result.",
@@ -176,11 +155,11 @@ def gather_upstream(seed: int, k: int) -> torch.Tensor:
 def _gather_body(dist, rank: int, fn, seed: int) -> dict:
     k = dist.get_world_size()
     part = gathered(seed, k)[:, 2 * rank:2 * rank + 2].clone().requires_grad_()
-    out = _passes(dist, lambda: fn(part, dist, None), gather_upstream(seed, k))
+    out = counted_passes(dist, lambda: fn(part, dist, None), gather_upstream(seed, k), comm)
     return {**out, "d partial": part.grad}
 
 
-_register_06("lesson06.gather_from_parallel", _FG_CASES, _on_sub_worlds(_gather_body), hints=(
+_register_06("lesson06.gather_from_parallel", _FG_CASES, harness(_gather_body), hints=(
     "Forward: every rank ends with all the slices side by side along the last dimension, in "
     "rank order. Backward: every rank computed the same loss from that whole output, so each "
     "already holds the gradient of its own slice: no communication.",
@@ -236,7 +215,7 @@ def _column_body(dist, rank: int, fn, seed: int, gather: bool) -> dict:
     w = layer_upstream(seed, n_out)
     if not gather:  # this rank's output columns meet their part of the loss
         w = w.chunk(k, dim=-1)[rank]
-    out = _passes(dist, lambda: fn(layer, x), w)
+    out = counted_passes(dist, lambda: fn(layer, x), w, comm)
     return {**out, "dx": x.grad, "dW": layer.weight.grad, "db": layer.bias.grad}
 
 
@@ -246,7 +225,7 @@ _register_06(
      case(RANK, WORLD_SIZE, 3, 1, True, label="3 ranks, gather_output"),
      case(RANK, WORLD_SIZE, 4, 2, False, label="4 ranks"),
      case(RANK, WORLD_SIZE, 4, 3, True, label="4 ranks, gather_output")],
-    _on_sub_worlds(_column_body), hints=(
+    harness(_column_body), hints=(
         "The input is whole on every rank and this rank's rows of the weight give its slice of "
         "the output features. dL/dx is a sum over the ranks' shards, so it must be summed in "
         "the backward pass; with gather_output, every rank needs every feature forward.",
@@ -263,7 +242,7 @@ def _row_body(dist, rank: int, fn, seed: int, parallel_input: bool) -> dict:
                            input_is_parallel=parallel_input)
     h = layer_input(seed, n_in)
     x = (h.chunk(k, dim=-1)[rank].clone() if parallel_input else h).requires_grad_()
-    out = _passes(dist, lambda: fn(layer, x), layer_upstream(seed, n_out))
+    out = counted_passes(dist, lambda: fn(layer, x), layer_upstream(seed, n_out), comm)
     return {**out, "dx": x.grad, "dW": layer.weight.grad, "db": layer.bias.grad}
 
 
@@ -273,7 +252,7 @@ _register_06(
      case(RANK, WORLD_SIZE, 3, 1, False, label="3 ranks, whole input"),
      case(RANK, WORLD_SIZE, 4, 2, True, label="4 ranks"),
      case(RANK, WORLD_SIZE, 3, 3, True, label="3 ranks")],
-    _on_sub_worlds(_row_body), hints=(
+    harness(_row_body), hints=(
         "Each rank's columns of the weight, times its slice of the input features, give a "
         "partial result; the output is their sum, the same on every rank. The bias belongs in "
         "that sum once, not once per rank.",
@@ -307,7 +286,7 @@ def _attention_body(dist, rank: int, fn, seed: int, causal: bool) -> dict:
 
     attn = TensorParallelAttention.from_torch(attention_module(seed), causal=causal, dist=dist)
     x = attention_input(seed).requires_grad_()
-    out = _passes(dist, lambda: fn(attn, x), attention_upstream(seed))
+    out = counted_passes(dist, lambda: fn(attn, x), attention_upstream(seed), comm)
     return {**out, "dx": x.grad}
 
 
@@ -316,7 +295,7 @@ _register_06(
     [case(RANK, WORLD_SIZE, 2, 0, False, label="2 ranks"),
      case(RANK, WORLD_SIZE, 3, 1, True, label="3 ranks, causal"),
      case(RANK, WORLD_SIZE, 4, 2, False, label="4 ranks")],
-    _on_sub_worlds(_attention_body), hints=(
+    harness(_attention_body), hints=(
         "Heads are independent until the output projection: this rank runs ordinary "
         "attention on its own heads only, and the row-parallel output projection sums every "
         "rank's heads into the whole output.",

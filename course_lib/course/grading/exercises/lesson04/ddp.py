@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.course.grading import RANK, WORLD_SIZE, case
+from course_lib.course.grading.harnesses import graded_class, seeded_batch
 from course_lib.course.grading.sub_worlds import SUB_WORLDS, on_first_ranks, register_on_sub_worlds
 from course_lib.i18n import N_
 
@@ -67,43 +68,14 @@ class Net(nn.Module):
 
 
 def batch(step: int, size: int):
-    g = torch.Generator().manual_seed(50 + step)
-    return (torch.randn(size, _IN, generator=g, dtype=torch.float64),
-            torch.randn(size, _OUT, generator=g, dtype=torch.float64))
+    return seeded_batch(50 + step, size, _IN, _OUT)
 
 
 def _graded(which: str, fn):
     """The library's DDP with the learner's `fn` as `which`, logging every bucket launch."""
     from course_lib.ddp import DistributedDataParallel
 
-    class Graded(DistributedDataParallel):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.launches, self.ending = [], False
-
-        def launch(self, bucket):
-            where = "after backward" if self.ending else "from a hook"
-            self.launches.append((self.buckets.index(bucket), where))
-            super().launch(bucket)
-
-        def end_of_backward(self):
-            self.ending = True
-            try:
-                super().end_of_backward()
-            finally:
-                self.ending = False
-
-        if which == "launch_bucket":
-            def start_all_reduce(self, bucket):
-                return fn(self, bucket)
-        elif which == "on_grad_ready":
-            def grad_ready(self, p):
-                fn(self, p)
-        else:
-            def finish(self):
-                fn(self)
-
-    return Graded
+    return graded_class(DistributedDataParallel, which, fn)
 
 
 FIRST_GRAD = "out.weight.grad after the first backward"

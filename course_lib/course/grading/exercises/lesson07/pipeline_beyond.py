@@ -9,7 +9,7 @@ Components are imported inside the functions that use them, on purpose (see `__i
 from __future__ import annotations
 
 from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
-from course_lib.course.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
+from course_lib.course.grading.sub_worlds import harness, register_on_sub_worlds
 from course_lib.i18n import N_
 
 PART_D = "07d_pipeline_schedules_beyond"
@@ -76,12 +76,6 @@ def split_body(dist, rank: int, fn, which: str, name: str, m: int, seed: int) ->
             "layer forwards inside W": in_w[0]}
 
 
-def split_harness(which: str):
-    def harness(fn, rank: int, world_size: int, k: int, name: str, m: int, seed: int):
-        return on_first_ranks(k, split_body, fn, which, name, m, seed)
-    return harness
-
-
 SPLIT_CASES = [
     case(RANK, WORLD_SIZE, 2, "zb-h1", 4, 0, label="2 stages, ZB-H1, 4 micro-batches"),
     case(RANK, WORLD_SIZE, 3, "zb-h1", 2, 1, label="3 stages, ZB-H1, 2 < 3 micro-batches"),
@@ -108,7 +102,7 @@ for _which, _name, _params, _hints in (
         cases=SPLIT_CASES,
         reference="lesson07:split_step",
         explain="lesson07:explain_split",
-        harness=split_harness(_which),
+        harness=harness(split_body, _which),
         points=3,
         time_limit=5.0,
         rtol=1e-10,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from course_lib.course.grading import RANK, WORLD_SIZE, case
 from course_lib.course.catalogue import CheckTimeout
-from course_lib.course.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
+from course_lib.course.grading.sub_worlds import harness, register_on_sub_worlds
 from course_lib.i18n import N_
 
 PART_B = "07b_pipeline_messages"
@@ -46,7 +46,7 @@ def describe(t) -> list:
 
 
 def _links_body(dist, rank: int, fn, which: str, dtype: str, m: int, post: bool,
-                skew: int) -> dict:
+                skew: int = 0) -> dict:
     import torch
 
     from course_lib import pipeline_stage as ps
@@ -93,10 +93,7 @@ def _links_body(dist, rank: int, fn, which: str, dtype: str, m: int, post: bool,
 
 
 def links_harness(which: str):
-    def harness(fn, rank: int, world_size: int, k: int, dtype: str, m: int, post: bool,
-                skew: int = 0):
-        return on_first_ranks(k, _links_body, fn, which, dtype, m, post, skew)
-    return harness
+    return harness(_links_body, which)
 
 
 LINK_CASES = [

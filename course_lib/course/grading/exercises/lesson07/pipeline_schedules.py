@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.course.grading.exercises.lesson07.pipeline_split import model_and_batch
-from course_lib.course.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
+from course_lib.course.grading.sub_worlds import harness, register_on_sub_worlds
 from course_lib.i18n import N_
 
 PART_C = "07c_pipeline_schedules"
@@ -51,9 +51,8 @@ def _executor_body(dist, rank: int, fn, which: str, kind: str, m: int, seed: int
 
 
 def executor_harness(which: str):
-    def harness(fn, rank: int, world_size: int, k: int, kind: str, m: int, seed: int):
-        return on_first_ranks(k, _executor_body, fn, which, kind, m, seed)
-    return harness
+    """The harness of the executor check with the learner's `fn` as action `which`."""
+    return harness(_executor_body, which)
 
 
 EXECUTOR_CASES = [

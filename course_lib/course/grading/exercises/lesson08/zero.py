@@ -18,7 +18,8 @@ from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.course.catalogue import CheckTimeout
 from course_lib.course.grading.exercises.lesson08.common import (A, _error, _values,
                                                                 register_on_sub_worlds)
-from course_lib.course.grading.sub_worlds import SUB_WORLDS, on_first_ranks
+from course_lib.course.grading.harnesses import graded_class, seeded_batch
+from course_lib.course.grading.sub_worlds import SUB_WORLDS, harness, on_first_ranks
 
 
 # --- lesson08.shard_range ----------------------------------------------------------------------
@@ -203,46 +204,14 @@ class ZeroNet(nn.Module):
 
 
 def zero_batch(step: int, size: int):
-    g = torch.Generator().manual_seed(80 + step)
-    return (torch.randn(size, _IN, generator=g, dtype=torch.float64),
-            torch.randn(size, _OUT, generator=g, dtype=torch.float64))
+    return seeded_batch(80 + step, size, _IN, _OUT)
 
 
 def _graded_zero(which: str, fn):
     """The library's ZeroRedundancyOptimizer with the learner's `fn`, logging each launch."""
     from course_lib.zero import ZeroRedundancyOptimizer
 
-    class Graded(ZeroRedundancyOptimizer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.launches, self.ready_so_far, self.ending = [], 0, False
-
-        def _hook(self, p):
-            if not self.in_backward:
-                self.ready_so_far = 0
-            self.ready_so_far += 1
-            super()._hook(p)
-
-        def launch(self, bucket):
-            when = "after backward" if self.ending else self.ready_so_far
-            self.launches.append((self.buckets.index(bucket), when))
-            super().launch(bucket)
-
-        def end_of_backward(self):
-            self.ending = True
-            try:
-                super().end_of_backward()
-            finally:
-                self.ending = False
-
-        if which == "on_grad_ready":
-            def grad_ready(self, p):
-                fn(self, p)
-        else:
-            def finish(self):
-                fn(self)
-
-    return Graded
+    return graded_class(ZeroRedundancyOptimizer, which, fn, count_ready=True)
 
 
 def _zero_body(dist, rank: int, fn, which: str, stage: int, steps: int, micro: int,
@@ -281,9 +250,8 @@ def _zero_body(dist, rank: int, fn, which: str, stage: int, steps: int, micro: i
 
 
 def zero_harness(which: str):
-    def harness(fn, rank: int, world_size: int, k: int, *args):
-        return on_first_ranks(k, _zero_body, fn, which, *args)
-    return harness
+    """The harness of the ZeRO gradient-path checks with the learner's `fn` as `which`."""
+    return harness(_zero_body, which)
 
 
 def _zero_label(k, stage, steps, micro, no_sync, spare) -> str:
