@@ -20,22 +20,21 @@ the advanced stream and puts the default generator back as it was::
         y = F.dropout(y, p)
 
 `get_states()` / `set_states()` save and restore every stream (lesson 09b's training state
-saves them with the rank's other generators).
+saves them with the rank's other generators). The streams' seeds, from the base seed and the
+rank's coordinates (`stream_seeds`), are lesson 12a's exercise (`course_lib.rng_seeds`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Iterator
 
 import torch
 
-__all__ = ["REPLICATED", "SHARDED", "RNGStatesTracker", "get_rng_tracker", "stream_seed",
-           "seed_streams"]
+from course_lib.rng_seeds import REPLICATED, SHARDED, stream_seed, stream_seeds
 
-REPLICATED = "replicated"  # same inside a TP group, distinct across DP replicas and PP stages
-SHARDED = "tensor-parallel"  # distinct on every TP rank (Megatron's "model-parallel-rng")
+__all__ = ["REPLICATED", "SHARDED", "RNGStatesTracker", "get_rng_tracker", "stream_seed",
+           "stream_seeds", "seed_streams"]
 
 
 class RNGStatesTracker:
@@ -98,14 +97,6 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def stream_seed(seed: int, name: str, **coordinates: int) -> int:
-    """A 63-bit seed for the stream `name` at these group coordinates (e.g. tp_rank=1,
-    dp_rank=0): equal coordinates give equal seeds, different ones different seeds (a hash,
-    so that no two coordinates collide the way seed + 10 * dp_rank + 100 * pp_rank can)."""
-    key = "/".join([str(seed), name] + [f"{k}={coordinates[k]}" for k in sorted(coordinates)])
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
-
-
 def seed_streams(seed: int, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0,
                  tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
     """Reset `tracker` (default: the process's) to two streams: `REPLICATED`, the same on every
@@ -113,6 +104,6 @@ def seed_streams(seed: int, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int 
     stages. Returns the tracker."""
     tracker = _TRACKER if tracker is None else tracker
     tracker.reset()
-    tracker.add(REPLICATED, stream_seed(seed, REPLICATED, dp=dp_rank, pp=pp_rank))
-    tracker.add(SHARDED, stream_seed(seed, SHARDED, dp=dp_rank, pp=pp_rank, tp=tp_rank))
+    for name, stream in stream_seeds(seed, tp_rank, dp_rank, pp_rank).items():
+        tracker.add(name, stream)
     return tracker

@@ -7,7 +7,9 @@ conjugate pair along the sequence (dimension 1): all-gather forward / reduce-sca
 before a column-parallel layer, reduce-scatter forward / all-gather backward after a row-parallel
 one. Parameters used on a sequence slice (norms, row-parallel biases) are marked
 `sequence_parallel = True`; `allreduce_sequence_parallel_grads` sums their gradients over the tp
-group after backward (Megatron's `finalize_model_grads`)."""
+group after backward (Megatron's `finalize_model_grads`). Dropout on the output of an SP-mode
+MLP or attention draws from each tp rank's own stream (`course_lib.rng.SHARDED`): the output is
+a slice of the sequence."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from course_lib import tensor_parallel as tp
 from course_lib.backend import default_dist
+from course_lib.rng import REPLICATED, SHARDED
 from course_lib.tp_layers import divide
 
 __all__ = ["SEQ_DIM", "ScatterToSequenceParallel", "scatter_to_sequence_parallel",
@@ -214,9 +217,9 @@ class ColumnParallelLinear(tp.ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, dist: Any = None, group: Any = None,
-                 parts: int = 1, sequence_parallel: bool = False):
+                 parts: int = 1, sequence_parallel: bool = False, device: Any = None):
         super().__init__(in_features, out_features, bias, gather_output=gather_output,
-                         dist=dist, group=group, parts=parts)
+                         dist=dist, group=group, parts=parts, device=device)
         self.sequence_parallel = sequence_parallel
 
     @classmethod
@@ -239,9 +242,9 @@ class RowParallelLinear(tp.RowParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, dist: Any = None, group: Any = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, device: Any = None):
         super().__init__(in_features, out_features, bias, input_is_parallel=input_is_parallel,
-                         dist=dist, group=group)
+                         dist=dist, group=group, device=device)
         self.sequence_parallel = sequence_parallel
 
     @classmethod
@@ -292,6 +295,10 @@ class TensorParallelMLP(tp.TensorParallelMLP):
         set_sequence_parallel(mlp, sequence_parallel)
         return mlp
 
+    def _drop_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """In SP mode the output is this rank's slice of the sequence: its own stream."""
+        return self._drop(out, SHARDED if self.fc2.sequence_parallel else REPLICATED)
+
 
 class TensorParallelAttention(tp.TensorParallelAttention):
     """Lesson 06's head-parallel attention on these layers. With SP its input and output are
@@ -313,6 +320,10 @@ class TensorParallelAttention(tp.TensorParallelAttention):
         attn = super().from_torch(mha, **kwargs)
         set_sequence_parallel(attn, sequence_parallel)
         return attn
+
+    def _drop_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """In SP mode the output is this rank's slice of the sequence: its own stream."""
+        return self._drop(out, SHARDED if self.out_proj.sequence_parallel else REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return attention_forward(self, x)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import full, less
-from course_lib import layout, planning, precision, train
+from course_lib import clip_norm, layout, planning, precision, train
 from course_lib.ddp import allreduce_grads_bucketed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import tests
@@ -28,9 +28,9 @@ def reason(result) -> str:
 
 # lesson11.layout_groups ----------------------------------------------------------------------
 
-def tp_strided(dp, tp, pp):
+def tp_strided(dp, tp, pp, cp=1):
     """tp groups strided across the stage (the ranks that talk most, far apart)."""
-    g = layout.layout_groups(dp, tp, pp)
+    g = layout.layout_groups(dp, tp, pp, cp)
     per_stage = dp * tp
     g["tp"] = [[p * per_stage + d + t * dp for t in range(tp)] for p in range(pp)
                for d in range(dp)]
@@ -39,40 +39,63 @@ def tp_strided(dp, tp, pp):
     return g
 
 
-def dp_across_stages(dp, tp, pp):
-    """pp inside dp: rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a dp group spans stages."""
+def dp_across_stages(dp, tp, pp, cp=1):
+    """pp inside dp: rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a dp group spans stages
+    (and cp left out: right only where cp = 1)."""
     def rank(p, d, t):
         return (d * pp + p) * tp + t
-    return {"tp": sorted([[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]),
+    return {"cp": [[r] for r in range(dp * tp * pp)],
+            "tp": sorted([[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]),
             "dp": sorted([[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]),
             "pp": sorted([[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])}
 
 
-def powers_of_two_only(dp, tp, pp):
+def powers_of_two_only(dp, tp, pp, cp=1):
     """Bit tricks on the rank: right only when every degree is a power of two."""
-    world = dp * tp * pp
-    tb, db = tp.bit_length() - 1, dp.bit_length() - 1
-    out = {"tp": {}, "dp": {}, "pp": {}}
+    world = dp * cp * tp * pp
+    tb, cb, db = tp.bit_length() - 1, cp.bit_length() - 1, dp.bit_length() - 1
+    out = {"tp": {}, "cp": {}, "dp": {}, "pp": {}}
     for r in range(world):
-        t, d, p = r & (tp - 1), (r >> tb) & (dp - 1), r >> (tb + db)
-        out["tp"].setdefault((p, d), []).append(r)
-        out["dp"].setdefault((p, t), []).append(r)
-        out["pp"].setdefault((d, t), []).append(r)
+        t, c = r & (tp - 1), (r >> tb) & (cp - 1)
+        d, p = (r >> (tb + cb)) & (dp - 1), r >> (tb + cb + db)
+        out["tp"].setdefault((p, d, c), []).append(r)
+        out["cp"].setdefault((p, d, t), []).append(r)
+        out["dp"].setdefault((p, c, t), []).append(r)
+        out["pp"].setdefault((d, c, t), []).append(r)
     return {a: sorted(v.values()) for a, v in out.items()}
 
 
-def groups_unordered(dp, tp, pp):
-    g = layout.layout_groups(dp, tp, pp)
+def groups_unordered(dp, tp, pp, cp=1):
+    g = layout.layout_groups(dp, tp, pp, cp)
     return {a: list(reversed(v)) for a, v in g.items()}
+
+
+def cp_outside_dp(dp, tp, pp, cp=1):
+    """cp counted outside dp: rank = ((pp_rank * cp + cp_rank) * dp + dp_rank) * tp + tp_rank,
+    so a cp ring strides over the dp replicas: right only where dp or cp is 1."""
+    def rank(p, d, c, t):
+        return ((p * cp + c) * dp + d) * tp + t
+    every = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
+             for t in range(tp)]
+    out = {}
+    for i, axis in enumerate(("pp", "dp", "cp", "tp")):
+        groups = {}
+        for coords in every:
+            key = coords[:i] + coords[i + 1:]
+            groups.setdefault(key, []).append(rank(*coords))
+        out[axis] = sorted(groups.values())
+    return out
 
 
 def test_layout_groups_solution_and_mistakes():
     full("lesson11.layout_groups", layout.layout_groups)
     reasons = {wrong.__name__: reason(less("lesson11.layout_groups", wrong))
-               for wrong in (tp_strided, dp_across_stages, powers_of_two_only, groups_unordered)}
+               for wrong in (tp_strided, dp_across_stages, powers_of_two_only, groups_unordered,
+                             cp_outside_dp)}
     assert "mixes" in reasons["tp_strided"]
     assert "mixes pp coordinates" in reasons["dp_across_stages"]
     assert "not in order" in reasons["groups_unordered"]
+    assert "mixes" in reasons["cp_outside_dp"]
 
 
 # lesson11.stage_layers -----------------------------------------------------------------------
@@ -293,6 +316,44 @@ def test_unscale_grads_solution_and_mistakes(scratch_cluster_4):
     assert "divided by the scale twice" in reasons["unscales_twice"]
     assert "its own gradients only" in reasons["decides_alone"]
     assert "still scaled" in reasons["forgets_to_unscale"]
+
+
+# lesson11.total_norm -------------------------------------------------------------------------
+
+def norm_of_own_pieces(held, norm_type, groups, dist):
+    """Each rank clips by the norm of what it holds."""
+    return clip_norm.total_norm(held, norm_type, [], dist)
+
+
+def copies_counted_on_every_tp_rank(held, norm_type, groups, dist):
+    return clip_norm.total_norm([h._replace(counted=True) for h in held], norm_type, groups, dist)
+
+
+def padding_counted(held, norm_type, groups, dist):
+    return clip_norm.total_norm([h._replace(numel=h.grad.numel()) for h in held], norm_type,
+                                groups, dist)
+
+
+def maxima_summed(held, norm_type, groups, dist):
+    """Every level reduced with a sum, the inf-norm's maxima included."""
+    p = float(norm_type)
+    mine = [h.grad.reshape(-1)[:h.numel].double().abs() for h in held if h.counted and h.numel]
+    flat = torch.cat([torch.zeros(1, dtype=torch.float64)] + mine)
+    piece = flat.max() if p == float("inf") else (flat ** p).sum()
+    for group in groups:
+        dist.all_reduce(piece, group=group)
+    return piece if p == float("inf") else piece ** (1 / p)
+
+
+def test_total_norm_solution_and_mistakes(scratch_cluster_4):
+    full("lesson11.total_norm", clip_norm.total_norm, scratch_cluster_4)
+    reasons = {wrong.__name__: reason(less("lesson11.total_norm", wrong, scratch_cluster_4))
+               for wrong in (norm_of_own_pieces, copies_counted_on_every_tp_rank,
+                             padding_counted, maxima_summed)}
+    assert "reduced over none" in reasons["norm_of_own_pieces"]
+    assert "counted on each of the 2 tp ranks" in reasons["copies_counted_on_every_tp_rank"]
+    assert "padding at the end of the flat shards" in reasons["padding_counted"]
+    assert "were added up" in reasons["maxima_summed"]
 
 
 # lesson11.train_step -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Lesson 12's exercises: the solutions score full points, realistic wrong versions less (the
 zigzag split, the merge and one ring step on one process; SP's all-gather / reduce-scatter pair
-on 2, 3 and 4 ranks of a 4-rank scratch cluster, collectives counted)."""
+on 2, 3 and 4 ranks of a 4-rank scratch cluster, collectives counted; the random streams'
+seeds on 2, 3 and 4-rank layouts)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from conftest import full, less
 from course_lib.context_parallel import (block_attention, contiguous_split, merge, ring_step,
                                          zigzag_split)
+from course_lib.rng_seeds import REPLICATED, SHARDED, stream_seed, stream_seeds
 from course_lib.sequence_parallel import (_all_gather, _reduce_scatter, _split,
                                           gather_from_sequence_parallel,
                                           reduce_scatter_to_sequence_parallel)
@@ -163,3 +165,39 @@ def test_sequence_parallel_pair_solution_and_mistakes(scratch_cluster_4):
     assert r.points == 0 and "gradient of the whole output" in r.reason, r.reason
     r = less(scatter, _apply(_ReduceScatterByAllReduce), c)
     assert r.points == 0 and "twice the bytes" in r.reason, r.reason
+
+
+# --- lesson12.stream_seeds ------------------------------------------------------------------------
+
+def _one_seed_everywhere(seed, tp_rank, dp_rank, pp_rank):
+    """The public run's bug: every rank seeded alike (two streams, two seeds)."""
+    return {REPLICATED: seed, SHARDED: seed + 1}
+
+
+def _same_on_dp_replicas(seed, tp_rank, dp_rank, pp_rank):
+    return {REPLICATED: stream_seed(seed, REPLICATED, pp=pp_rank),
+            SHARDED: stream_seed(seed, SHARDED, pp=pp_rank, tp=tp_rank)}
+
+
+def _per_rank_where_replicated(seed, tp_rank, dp_rank, pp_rank):
+    coords = dict(dp=dp_rank, pp=pp_rank, tp=tp_rank)
+    return {REPLICATED: stream_seed(seed, REPLICATED, **coords),
+            SHARDED: stream_seed(seed, SHARDED, **coords)}
+
+
+def _sharded_alike_on_tp(seed, tp_rank, dp_rank, pp_rank):
+    return {REPLICATED: stream_seed(seed, REPLICATED, dp=dp_rank, pp=pp_rank),
+            SHARDED: stream_seed(seed, SHARDED, dp=dp_rank, pp=pp_rank)}
+
+
+@pytest.mark.cluster
+def test_stream_seeds_solution_and_mistakes(scratch_cluster_4):
+    c = scratch_cluster_4
+    full("lesson12.stream_seeds", stream_seeds, c)
+    reasons = {f.__name__: str(less("lesson12.stream_seeds", f, c))
+               for f in (_one_seed_everywhere, _same_on_dp_replicas, _per_rank_where_replicated,
+                         _sharded_alike_on_tp)}
+    assert "one seed everywhere" in reasons["_one_seed_everywhere"]
+    assert "another data-parallel replica" in reasons["_same_on_dp_replicas"]
+    assert "drew different masks in the replicated" in reasons["_per_rank_where_replicated"]
+    assert "same sharded masks" in reasons["_sharded_alike_on_tp"]

@@ -5,6 +5,7 @@
 COMPONENTS = {
     "accumulation": "05_grad_accumulation",
     "checkpoint": "09a_checkpoints",
+    "clip_norm": "11b_train_step",
     "comm_hooks": "10b_sending_less",
     "comm_model": "10a_message_cost",
     "context_parallel": "12b_ring_attention",
@@ -23,6 +24,7 @@ COMPONENTS = {
     "planning": "11c_learn_build_buy",
     "precision": "11a_layout_precision",
     "recovery": "09b_recovery",
+    "rng_seeds": "12a_sequence_parallel",
     "sequence_parallel": "12a_sequence_parallel",
     "sharding": "08a_zero",
     "tensor_parallel": "06_tensor_parallel",

@@ -11,10 +11,13 @@ call which version runs.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
-from course_lib.course.grading.sub_worlds import on_first_ranks, register_on_sub_worlds
+from course_lib.course.grading.sub_worlds import (counted_passes, harness,
+                                                  register_on_sub_worlds)
 
 SP, CP = "12a_sequence_parallel", "12b_ring_attention"
 PAD = "pad"
@@ -191,38 +194,19 @@ def upstream(seed: int, k: int, rank: int) -> torch.Tensor:
     return randn(100 * seed + rank, 2, 2 * k, 3)
 
 
-def _passes(dist, forward, weights: torch.Tensor) -> dict:
-    dist.reset()
-    y = forward()
-    ahead = dict(dist.calls)
-    dist.reset()
-    if isinstance(y, torch.Tensor) and y.shape == weights.shape:
-        (y * weights).sum().backward()
-    elif isinstance(y, torch.Tensor) and y.requires_grad:
-        (y * 0).sum().backward()
-    return {"comm": comm(ahead, dict(dist.calls)),
-            "out": y.detach() if isinstance(y, torch.Tensor) else y}
-
-
 def _gather_body(dist, rank: int, fn, seed: int) -> dict:
     k = dist.get_world_size()
     x = whole(seed, k).chunk(k, dim=1)[rank].clone().requires_grad_()
-    out = _passes(dist, lambda: fn(x, dist, None), upstream(seed, k, rank))
+    out = counted_passes(dist, lambda: fn(x, dist, None), upstream(seed, k, rank), comm)
     return {**out, "dx": x.grad}
 
 
 def _reduce_scatter_body(dist, rank: int, fn, seed: int) -> dict:
     k = dist.get_world_size()
     partial = (whole(seed, k) * (rank + 1)).requires_grad_()
-    out = _passes(dist, lambda: fn(partial, dist, None),
-                  upstream(seed, k, 0).chunk(k, dim=1)[rank])
+    out = counted_passes(dist, lambda: fn(partial, dist, None),
+                         upstream(seed, k, 0).chunk(k, dim=1)[rank], comm)
     return {**out, "d partial": partial.grad}
-
-
-def _on_sub_worlds(body):
-    def harness(fn, rank: int, world_size: int, k: int, *args):
-        return on_first_ranks(k, body, fn, *args)
-    return harness
 
 
 PAIR_CASES = [case(RANK, WORLD_SIZE, 2, 0, label="the sequence on 2 ranks"),
@@ -231,7 +215,7 @@ PAIR_CASES = [case(RANK, WORLD_SIZE, 2, 0, label="the sequence on 2 ranks"),
 
 register_on_sub_worlds(
     "lesson12.gather_from_sequence_parallel", SP, params=("x", "dist", "group"),
-    cases=PAIR_CASES, harness=_on_sub_worlds(_gather_body),
+    cases=PAIR_CASES, harness=harness(_gather_body),
     reference="lesson12:gather_from_sequence_parallel",
     explain="lesson12:explain_gather_from_sequence_parallel", points=2, rtol=1e-10, atol=1e-12,
     hints=("The pair is lesson 06's f and g with the sequence split: what one does in the forward "
@@ -242,7 +226,7 @@ register_on_sub_worlds(
 
 register_on_sub_worlds(
     "lesson12.reduce_scatter_to_sequence_parallel", SP, params=("x", "dist", "group"),
-    cases=PAIR_CASES, harness=_on_sub_worlds(_reduce_scatter_body),
+    cases=PAIR_CASES, harness=harness(_reduce_scatter_body),
     reference="lesson12:reduce_scatter_to_sequence_parallel",
     explain="lesson12:explain_reduce_scatter_to_sequence_parallel", points=2, rtol=1e-10,
     atol=1e-12,
@@ -251,3 +235,88 @@ register_on_sub_worlds(
            "needs the gradient of the whole sequence.",
            "Backward: every rank holds the gradient of its own slice; join the slices in rank "
            "order along the sequence, on every rank."))
+
+
+# --- lesson12.stream_seeds ----------------------------------------------------------------------
+# Each rank of a (dp, tp, pp) layout seeds a tracker with the learner's seeds, draws a dropout
+# mask in each stream, and compares its masks with every rank's: which ranks drew the same.
+
+SEED = 1234
+
+
+def layout_coords(rank: int, dp: int, tp: int) -> dict[str, int]:
+    """rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+    return {"pp_rank": rank // (dp * tp), "dp_rank": rank // tp % dp, "tp_rank": rank % tp}
+
+
+def _masks(fn, seed: int, coords: dict[str, int]) -> dict[str, torch.Tensor] | str:
+    from course_lib.rng import REPLICATED, SHARDED, RNGStatesTracker
+
+    seeds = fn(seed, **coords)
+    if not isinstance(seeds, dict) or set(seeds) != {REPLICATED, SHARDED}:
+        return f"a dict with the keys {REPLICATED!r}, {SHARDED!r} expected, got {seeds!r}"[:120]
+    tracker, masks = RNGStatesTracker(), {}
+    for name in (REPLICATED, SHARDED):
+        try:
+            tracker.add(name, int(seeds[name]))
+        except ValueError as e:
+            return str(e)
+        with tracker.fork(name):
+            masks[name] = (torch.rand(32) < 0.5).to(torch.float64)
+    return masks
+
+
+def masks_alike(replicated: list[int], sharded: list[int], changes: bool) -> str:
+    """The ranks whose masks equal this rank's in each stream, and whether another base seed
+    changes them: 'replicated as 0 1; sharded as 0; seed+1 changes them'."""
+    return (f"replicated as {' '.join(map(str, replicated))}; sharded as "
+            f"{' '.join(map(str, sharded))}; seed+1 {'changes' if changes else 'keeps'} them")
+
+
+def alike_of(text: str) -> tuple[list[int], list[int], bool] | None:
+    """`masks_alike`'s arguments back from its text (None for any other text)."""
+    m = re.fullmatch(r"replicated as ([\d ]*); sharded as ([\d ]*); seed\+1 (changes|keeps) them",
+                     str(text))
+    if m is None:
+        return None
+    return ([int(r) for r in m[1].split()], [int(r) for r in m[2].split()],
+            m[3] == "changes")
+
+
+def _streams_body(dist, rank: int, fn, dp: int, tp: int) -> str:
+    from course_lib.rng import REPLICATED, SHARDED
+
+    coords = layout_coords(rank, dp, tp)
+    mine, other = _masks(fn, SEED, coords), _masks(fn, SEED + 1, coords)
+    if isinstance(mine, str) or isinstance(other, str):
+        return mine if isinstance(mine, str) else other
+    k = dist.get_world_size()
+    alike = []
+    for name in (REPLICATED, SHARDED):
+        every = [torch.empty_like(mine[name]) for _ in range(k)]
+        dist.all_gather(every, mine[name])
+        alike.append([r for r in range(k) if torch.equal(every[r], mine[name])])
+    return masks_alike(*alike, all(not torch.equal(mine[n], other[n])
+                                   for n in (REPLICATED, SHARDED)))
+
+
+streams_harness = harness(_streams_body)
+
+
+register_on_sub_worlds(
+    "lesson12.stream_seeds", SP, params=("seed", "tp_rank", "dp_rank", "pp_rank"),
+    cases=[case(RANK, WORLD_SIZE, k, dp, tp, label=f"{k} ranks, (dp, tp, pp) = ({dp}, {tp}, "
+                f"{k // (dp * tp)})")
+           for k, dp, tp in ((2, 1, 2), (2, 2, 1), (3, 1, 3), (3, 1, 1), (4, 2, 2), (4, 1, 2))],
+    harness=streams_harness,
+    reference="lesson12:stream_seeds",
+    explain="lesson12:explain_stream_seeds",
+    points=2,
+    hints=("A stream's seed must say everything that must differ, and nothing that must agree: "
+           "ranks that compute the same tensor draw the same masks, ranks that hold different "
+           "samples, slices or layers draw different ones.",
+           "For each stream, list the coordinates along which its masks must differ: the "
+           "replicated stream agrees inside a tp group, the sharded stream differs on every tp "
+           "rank, and both differ across data-parallel replicas and stages. Only those go "
+           "into the stream's seed, with the base seed and the stream's name."),
+)

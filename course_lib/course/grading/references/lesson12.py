@@ -195,3 +195,47 @@ def explain_reduce_scatter_to_sequence_parallel(case, rank, expected, got) -> st
         return _("rank {rank}'s partial result fed the whole sequence: its gradient is the "
                  "gradient of the whole output, every rank's slice", rank=rank)
     return _comm_reason(expected, got)
+
+
+# --- lesson12.stream_seeds ----------------------------------------------------------------------
+
+def stream_seeds(rank: int, world_size: int, k: int, dp: int, tp: int):
+    if rank >= k:
+        return None
+    here = ex.layout_coords(rank, dp, tp)
+    same = [r for r in range(k) if all(ex.layout_coords(r, dp, tp)[a] == here[a]
+                                       for a in ("dp_rank", "pp_rank"))]
+    return ex.masks_alike(same, [rank], True)
+
+
+def explain_stream_seeds(case, rank, expected, got) -> str | None:
+    if expected is None or ex.alike_of(got) is None:
+        return None
+    k, dp, tp = case.args[2:5]
+    replicated, sharded, changes = ex.alike_of(got)
+    want = ex.alike_of(expected)[0]
+    if not changes:
+        return _("rank {rank}'s masks do not change with the base seed: two runs, or a run "
+                 "restarted with a new seed, would drop the same units", rank=rank)
+    if len(replicated) == k and len(sharded) == k and tp > 1:
+        return _("every rank drew the same masks in both streams: one seed everywhere, so the "
+                 "tp slices are dropped in the same places and the dp replicas repeat each "
+                 "other's masks")
+    here = ex.layout_coords(rank, dp, tp)
+    others = [r for r in replicated if r not in want]
+    if any(ex.layout_coords(r, dp, tp)["dp_rank"] != here["dp_rank"] for r in others + [
+            r for r in sharded if r != rank]):
+        return _("rank {rank} draws the same masks as a rank of another data-parallel replica: "
+                 "the replicas see different samples and must drop different units", rank=rank)
+    if others:
+        return _("rank {rank} draws the same replicated masks as a rank of another stage: each "
+                 "stage's layers need their own masks", rank=rank)
+    if len(replicated) < len(want):
+        return _("the ranks of rank {rank}'s tp group drew different masks in the replicated "
+                 "stream: they hold the same activation, and different masks make their copies "
+                 "disagree", rank=rank)
+    if len(sharded) > 1:
+        return _("rank {rank} draws the same sharded masks as ranks {ranks}: each tp rank "
+                 "holds a different slice, and the same mask drops every slice in the same "
+                 "places", rank=rank, ranks=[r for r in sharded if r != rank])
+    return None

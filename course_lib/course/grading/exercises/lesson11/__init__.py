@@ -5,6 +5,7 @@
 - `step` (11b): the training step's gradient reductions, the loss scaler's unscale and skip, and
   the whole step, on 2, 3 and 4 ranks, with every collective counted by the group it ran on
   (`LabelledDist`, the pool of groups and the stand-in layout they share);
+- `clipping` (11b): the whole model's gradient norm from each rank's pieces;
 - `learn_build_buy` (11c): a job's memory, communication and time per step, and the layout and
   stack chosen for it;
 - `common`: the parts' notebooks and the layout's axes.
@@ -25,6 +26,7 @@ from course_lib.course.grading.exercises.lesson11.layout_precision import (
 from course_lib.course.grading.exercises.lesson11.step import (
     STEP_MODEL, LabelledDist, StandInLayout, all_subsets, coordinates, grad_value, group_pool,
     labels_of, rank_params, reduce_harness, step_config, step_harness, unscale_harness)
+from course_lib.course.grading.exercises.lesson11.clipping import norm_harness
 from course_lib.course.grading.exercises.lesson11.learn_build_buy import (
     A100, G, H100, SCENARIOS, SMALL_GPU, as_scenario, cost_harness, plan_harness, scenario)
 
@@ -32,6 +34,7 @@ __all__ = ["PART_A", "PART_B", "PART_C", "AXES", "groups_harness", "stand_in_mod
            "stage_harness", "precision_model", "precision_input", "precision_report",
            "precision_harness", "scale_harness", "all_subsets", "group_pool", "LabelledDist",
            "coordinates", "StandInLayout", "labels_of", "grad_value", "rank_params",
-           "reduce_harness", "unscale_harness", "STEP_MODEL", "step_config", "step_harness", "G",
+           "reduce_harness", "unscale_harness", "STEP_MODEL", "step_config", "step_harness",
+           "norm_harness", "G",
            "A100", "H100", "SMALL_GPU", "scenario", "SCENARIOS", "as_scenario", "cost_harness",
            "plan_harness"]

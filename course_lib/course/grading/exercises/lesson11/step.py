@@ -152,14 +152,19 @@ def _reduce_body(dist: LabelledDist, rank: int, fn, dp: int, tp: int, pp: int,
             "grads": {name: p.grad for name, p in params.items()}}
 
 
-def reduce_harness(fn, rank: int, world_size: int, k: int, dp: int, tp: int, pp: int,
-                   wrapped: bool = False) -> dict | None:
+def on_labelled_ranks(k: int, body, fn, *args) -> Any:
+    """`on_first_ranks(k, body, fn, *args)` with `body` given a `LabelledDist` whose groups come
+    from the pool."""
     pool = group_pool()
 
-    def body(counting, r, f):
-        return _reduce_body(LabelledDist(counting.dist, counting.group, pool), r, f, dp, tp, pp,
-                            wrapped)
-    return on_first_ranks(k, body, fn)
+    def labelled(counting, r, f, *rest):
+        return body(LabelledDist(counting.dist, counting.group, pool), r, f, *rest)
+    return on_first_ranks(k, labelled, fn, *args)
+
+
+def reduce_harness(fn, rank: int, world_size: int, k: int, dp: int, tp: int, pp: int,
+                   wrapped: bool = False) -> dict | None:
+    return on_labelled_ranks(k, _reduce_body, fn, dp, tp, pp, wrapped)
 
 
 def _layout_case(k: int, dp: int, tp: int, pp: int, wrapped: bool = False, *, label: str):
@@ -295,12 +300,7 @@ def _step_body(dist: LabelledDist, rank: int, fn, dp: int, tp: int, pp: int, pre
 
 def step_harness(fn, rank: int, world_size: int, k: int, dp: int, tp: int, pp: int,
                  precision: str = "fp32", bad_step: int = -1, bad_rank: int = -1) -> dict | None:
-    pool = group_pool()
-
-    def body(counting, r, f):
-        return _step_body(LabelledDist(counting.dist, counting.group, pool), r, f, dp, tp, pp,
-                          precision, bad_step, bad_rank)
-    return on_first_ranks(k, body, fn)
+    return on_labelled_ranks(k, _step_body, fn, dp, tp, pp, precision, bad_step, bad_rank)
 
 
 def _step_case(k: int, dp: int, tp: int, pp: int, precision: str = "fp32", bad_step: int = -1,
