@@ -11,6 +11,10 @@ residual branches, each mask drawn through the RNG tracker (`course_lib.rng`), a
 layers draw theirs: seed it with `seed_streams` before training with dropout on.
 `GPTConfig.n_expert` > 0 makes every `moe_every`-th block's MLP a mixture of experts
 (`course_lib.moe.MoE`, lesson 13); `aux_loss` sums their load-balancing losses.
+Long sequences (lesson 12): `parallelize_sequence` makes the model hold this rank's part of each
+sequence (context parallelism: zigzag parts, attention by ring attention over the cp group;
+sequence parallelism: the norm regions split over the tp group, with `parallelize_blocks(...,
+sequence_parallel=True)`); the loss then reads the targets through `SequenceSplit.local`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from course_lib import sequence_parallel as sp_layers
+from course_lib.context_parallel import pad_sequence, ring_attention, zigzag_split
 from course_lib.moe import MoE
-from course_lib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                        TensorParallelAttention, TensorParallelMLP,
+from course_lib.tensor_parallel import (TensorParallelAttention, TensorParallelMLP,
                                         attention_forward)
 from course_lib.tp_layers import TrackedDropout
 
@@ -73,12 +78,18 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids.tolist())
 
 __all__ = ["GPTConfig", "load_text", "CharTokenizer", "SelfAttention", "MLP", "Block", "Embedding",
-    "Head", "GPT", "aux_loss", "set_activation_checkpointing", "parallelize_blocks"]
+    "Head", "GPT", "aux_loss", "set_activation_checkpointing", "parallelize_blocks",
+    "IGNORE_INDEX", "SequenceSplit", "parallelize_sequence"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's: the targets of padded positions
 
 
 class SelfAttention(TrackedDropout, nn.Module):
     """Causal multi-head self-attention with a packed q, k, v projection; the forward is
-    lesson 06's `attention_forward`, with every head local. Dropout as `TrackedDropout`."""
+    lesson 06's `attention_forward`, with every head local. Dropout as `TrackedDropout`.
+    `core_attention(q, k, v)`, when set, replaces the attention itself (ring attention)."""
+
+    core_attention = None
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -92,6 +103,8 @@ class SelfAttention(TrackedDropout, nn.Module):
         self._install_dropout(self.out_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.core_attention is not None:
+            return sp_layers.attention_forward(self, x)
         return attention_forward(self, x)
 
 
@@ -132,8 +145,40 @@ class Block(nn.Module):
         return self._forward(x)
 
 
+class SequenceSplit:
+    """How this rank holds each sequence of t tokens: padded to `length(t)` (a multiple of 2 cp
+    with context parallelism, times tp with sequence parallelism), then this cp rank's zigzag
+    part (`local`); with `sp`, the embedding's output split over the tp group and the final
+    norm's output gathered back. `seq_len`: the true length of the sequences in flight (set by
+    the embedding at each forward; padded positions are masked)."""
+
+    def __init__(self, *, dist: Any = None, cp_group: Any = None, tp_group: Any = None,
+                 cp: int = 1, cp_rank: int = 0, tp: int = 1, sp: bool = False):
+        self.dist, self.cp_group, self.tp_group = dist, cp_group, tp_group
+        self.cp, self.cp_rank, self.tp, self.sp = cp, cp_rank, tp, sp and tp > 1
+        self.seq_len = 0
+
+    def length(self, t: int) -> int:
+        multiple = (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
+        return -(-t // multiple) * multiple
+
+    def local(self, x: torch.Tensor, value: float = 0) -> torch.Tensor:
+        """This rank's part of `x` (batch, t, ...) along the sequence, padded with `value`."""
+        x = pad_sequence(x, self.length(x.shape[1]), 1, value)
+        return zigzag_split(x, self.cp, self.cp_rank, dim=1) if self.cp > 1 else x
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence (ring attention)."""
+        return ring_attention(q, k, v, causal=True, seq_len=self.seq_len, layout="zigzag",
+                              dist=self.dist, group=self.cp_group)
+
+
 class Embedding(nn.Module):
-    """Token plus position embeddings of a (batch, seq) tensor of ids."""
+    """Token plus position embeddings of a (batch, seq) tensor of ids (`positions`: the ids'
+    positions, 0..seq-1 by default). With a `split` (`parallelize_sequence`), this rank's part
+    of the sequence."""
+
+    split: SequenceSplit | None = None
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -141,16 +186,28 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens is longer than block_size "
                              f"{self.block_size}")
-        return self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        if positions is None:
+            positions = torch.arange(t, device=idx.device)
+        if self.split is None:
+            return self.wte(idx) + self.wpe(positions)
+        split = self.split
+        split.seq_len = t
+        ids, pos = split.local(idx), split.local(positions.expand_as(idx))
+        x = self.wte(ids) + self.wpe(pos)
+        return sp_layers.scatter_to_sequence_parallel(x, split.dist, split.tp_group) \
+            if split.sp else x
 
 
 class Head(nn.Module):
-    """Final layer norm and the output projection, whose weight is the token embedding's."""
+    """Final layer norm and the output projection, whose weight is the token embedding's. With
+    sequence parallelism (`split.sp`), the norm's output is gathered from the tp group first."""
+
+    split: SequenceSplit | None = None
 
     def __init__(self, cfg: GPTConfig, weight: nn.Parameter):
         super().__init__()
@@ -158,7 +215,13 @@ class Head(nn.Module):
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln_f(x), self.weight)
+        x, split = self.ln_f(x), self.split
+        if split is not None and split.sp:  # the head is whole: its gradient is not summed
+            x = sp_layers.gather_from_sequence_parallel(x, split.dist, split.tp_group,
+                                                        tensor_parallel_output_grad=False)
+            if split.cp == 1:
+                x = x[:, :split.seq_len]  # the padding to a multiple of tp
+        return F.linear(x, self.weight)
 
 
 class GPT(nn.Sequential):
@@ -205,20 +268,48 @@ def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
             m.checkpoint_activations = on
 
 
-def parallelize_blocks(model: nn.Module, *, dist: Any = None, group: Any = None) -> None:
+def parallelize_blocks(model: nn.Module, *, dist: Any = None, group: Any = None,
+                       sequence_parallel: bool = False) -> None:
     """Swap each block's attention and MLP for lesson 06's tensor-parallel versions holding this
     rank's heads and hidden units of the same weights (and their dropout); embeddings, norms and
-    head stay whole."""
+    head stay whole. With `sequence_parallel` (or an attention core already set), lesson 12a's
+    subclasses of them (the SP mode, the pluggable core), and with SP the norms marked as SP
+    parameters."""
     for m in model.modules():
         if not isinstance(m, Block) or isinstance(m.mlp, MoE):  # no TP inside experts
             continue
-        attn = m.attn
+        attn, core = m.attn, m.attn.core_attention
+        long = sequence_parallel or core is not None
+        attention_cls = sp_layers.TensorParallelAttention if long else TensorParallelAttention
+        mlp_cls = sp_layers.TensorParallelMLP if long else TensorParallelMLP
         with torch.random.fork_rng(devices=[]):  # their own inits are overwritten here
-            tp = TensorParallelAttention(attn.embed_dim, attn.num_heads, causal=True, dist=dist,
-                                         group=group, dropout=attn.dropout, tracker=attn.tracker)
-            m.mlp = TensorParallelMLP.from_linears(m.mlp.fc1, m.mlp.fc2, dist=dist, group=group,
-                                                   dropout=m.mlp.dropout, tracker=m.mlp.tracker)
-        tp.qkv = ColumnParallelLinear.from_linear(attn.qkv, dist=dist, group=group, parts=3)
-        tp.out_proj = RowParallelLinear.from_linear(attn.out_proj, dist=dist, group=group)
+            tp = attention_cls(attn.embed_dim, attn.num_heads, causal=True, dist=dist,
+                               group=group, dropout=attn.dropout, tracker=attn.tracker)
+            m.mlp = mlp_cls.from_linears(m.mlp.fc1, m.mlp.fc2, dist=dist, group=group,
+                                         dropout=m.mlp.dropout, tracker=m.mlp.tracker)
+        tp.qkv = tp.column.from_linear(attn.qkv, dist=dist, group=group, parts=3)
+        tp.out_proj = tp.row.from_linear(attn.out_proj, dist=dist, group=group)
         tp._install_dropout(tp.out_proj)
+        if core is not None:
+            tp.core_attention = core
         m.attn = tp
+    if sequence_parallel:
+        sp_layers.set_sequence_parallel(model, True)  # the layers, ln_1, ln_2 and ln_f
+
+
+def parallelize_sequence(model: GPT, *, dist: Any = None, cp_group: Any = None,
+                         tp_group: Any = None, sp: bool = False) -> SequenceSplit:
+    """Make `model` hold this rank's part of each sequence: the zigzag part of the cp group
+    (`cp_group`, None: cp = 1), attention by ring attention over it; with `sp`, the embedding's
+    output split over the tp group and the head's input gathered (then `parallelize_blocks(...,
+    sequence_parallel=True)`). Call before `parallelize_blocks`. The split is returned (the
+    loss reads its targets through `split.local(targets, IGNORE_INDEX)`)."""
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    split = SequenceSplit(dist=dist, cp_group=cp_group, tp_group=tp_group, cp=cp,
+                          cp_rank=dist.get_rank(cp_group) if cp > 1 else 0,
+                          tp=dist.get_world_size(tp_group) if sp else 1, sp=sp)
+    model[0].split = model[-1].split = split
+    for m in model.modules():
+        if cp > 1 and isinstance(m, SelfAttention):
+            m.core_attention = split.attend
+    return split

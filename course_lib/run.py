@@ -3,8 +3,9 @@ part of the model and its wrappers (lesson 11b sketches it; no exercise changes 
 
 `RunBase(cfg, dist)` builds, on every rank of a process group, what one rank holds: the layout
 (`course_lib.layout.ParallelLayout`), the whole GPT from one seed, cut to this rank's part
-(tensor parallelism applied, then `stage_layers`), the data-parallel wrapper (lesson 04's DDP or
-lesson 08's ZeRO-1 / ZeRO-3, or PyTorch's own with `stack="torch"`), the optimizer, the loss
+(its part of each sequence with cp > 1 or sp, tensor parallelism applied, then `stage_layers`),
+the data-parallel wrapper (lesson 04's DDP or lesson 08's ZeRO-1 / ZeRO-3 over the dp x cp
+ranks, `course_lib.run_wrap`, or PyTorch's own with `stack="torch"`), the optimizer, the loss
 scaler and, with pp > 1, lesson 07's 1F1B schedule. `forward_backward(x, y)` leaves this step's
 gradients in `.grad`; what happens next (the reductions each axis needs, the scaler, the
 optimizer's step) is the lesson's exercise, `course_lib.train.train_step`, which `Run` adds.
@@ -14,8 +15,13 @@ The model is drawn on the CPU (the same numbers on any device) and moved to `cfg
 
 What a step reads here: `stage`, `layout`, `dist`, `device`, `optimizer`, `scaler`,
 `tied_weight` and `tied_group` (pp > 1: this rank's copy of the tied embedding and the group
-of its two copies), `dp_reduced_in_backward` (a wrapper already averaged the gradients over dp) and
-`stepped_tensors()` (what the optimizer updates).
+of its two copies), `dp_reduced_in_backward` (a wrapper already averaged the gradients over dp,
+and cp) and `stepped_tensors()` (what the optimizer updates).
+
+With cp > 1 every rank of a dp coordinate reads the same batch; the model keeps this rank's
+zigzag part of each sequence (`course_lib.gpt.parallelize_sequence`) and the loss its targets,
+so each rank's loss is its tokens' share and the gradients are averaged over "dp_cp". With
+sp, the norms' gradients are summed over tp after backward (lesson 12a).
 
 The run's numbers (`TrainConfig`, `check_config`, `learning_rate`) are in `course_lib.run_config`
 and its data (`TextWindows`, `split_text`, `batches`) in `course_lib.run_data`; both are
@@ -25,7 +31,6 @@ importable from here too.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable
 
 import torch
@@ -34,25 +39,24 @@ from torch import nn
 
 from course_lib import clip, moe
 from course_lib.backend import comm_device, default_dist
-from course_lib.comm_hooks import bf16_compress_hook
-from course_lib.ddp import DistributedDataParallel, allreduce_grads_bucketed
-from course_lib.gpt import (Block, CharTokenizer, GPT, aux_loss, load_text, parallelize_blocks,
-                            set_activation_checkpointing)
+from course_lib.gpt import (IGNORE_INDEX, CharTokenizer, GPT, aux_loss, load_text,
+                            parallelize_blocks, parallelize_sequence, set_activation_checkpointing)
 from course_lib.layout import ParallelLayout, stage_layers
-from course_lib.pipeline import PipelineStage, Schedule1F1B
-from course_lib.precision import DynamicLossScaler, Precision, precision_forward
+from course_lib.precision import DynamicLossScaler, precision_forward
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
 from course_lib.rng import seed_streams
 from course_lib.run_config import (TrainConfig, check_config, learning_rate, make_optimizer,
                                    run_device, shard_units)
 from course_lib.run_data import TextWindows, batches, split_text
-from course_lib.tensor_parallel import shard
-from course_lib.zero import ZeroRedundancyOptimizer, fully_shard, state_bytes
+from course_lib.run_wrap import (parallelize_blocks_torch, pipeline_schedule, reduce_moe_grads,
+                                 wrap, wrap_torch)
+from course_lib.sequence_parallel import allreduce_sequence_parallel_grads
+from course_lib.zero import ZeroRedundancyOptimizer, state_bytes
 
 __all__ = ["TrainConfig", "check_config", "learning_rate", "run_device", "TextWindows",
            "split_text", "batches", "tied_groups", "clip_grads", "RunBase", "wrap",
            "pipeline_schedule", "parallelize_blocks_torch", "wrap_torch", "shard_units",
-           "make_optimizer"]
+           "make_optimizer", "reduce_moe_grads", "describe"]
 
 
 def tied_groups(layout: ParallelLayout) -> Any:
@@ -62,20 +66,29 @@ def tied_groups(layout: ParallelLayout) -> Any:
         return None
     mine = None
     for dp_rank in range(layout.dp):
-        for tp_rank in range(layout.tp):
-            ranks = [layout.rank_of(pp=p, dp=dp_rank, tp=tp_rank) for p in (0, layout.pp - 1)]
-            group = layout.dist.new_group(ranks)
-            if layout.rank in ranks:
-                mine = group
+        for cp_rank in range(layout.cp):
+            for tp_rank in range(layout.tp):
+                ranks = [layout.rank_of(pp=p, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+                         for p in (0, layout.pp - 1)]
+                group = layout.dist.new_group(ranks)
+                if layout.rank in ranks:
+                    mine = group
     return mine
 
 
 def clip_grads(run: Any) -> None:
-    """Before each step (`cfg.clip_grad_norm`): the whole model's gradient norm, each element
-    counted once (summed over tp and pp; the TP replicas' and the tied head's copies skipped),
-    and every rank's gradients scaled by the same factor (`course_lib.clip`)."""
+    """Before each step (`cfg.clip_grad_norm`), once the gradients are reduced: the whole
+    model's gradient norm, each element counted once (summed over tp and pp; the TP replicas'
+    and the tied head's copies skipped; with ZeRO, each rank's real elements of its gradient
+    shards, summed over the dp x cp ranks that share them), and every rank's gradients scaled by
+    the same factor (`course_lib.clip`)."""
     lay = run.layout
     groups = [lay.group(axis) for axis in ("tp", "pp") if getattr(lay, axis) > 1]
+    if run.cfg.zero:  # tp = 1, pp = 1 (check_config)
+        held = run.optimizer if run.cfg.zero == 1 else run.stage
+        clip.clip_grads_(clip.shard_grads(held), run.cfg.clip_grad_norm,
+                         groups=[*groups, lay.group("dp_cp")], dist=run.dist)
+        return
     copies = (clip.tp_duplicates(run.stage, dist=run.dist, group=lay.group("tp"))
               if lay.tp > 1 else [])
     if run.tied_weight is not None and run.is_last and not run.is_first:
@@ -94,7 +107,8 @@ class RunBase:
         self.cfg, self.dist = cfg, default_dist(dist)
         check_config(cfg, self.dist.get_world_size())
         self.device = run_device(cfg.device)
-        self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, ep=cfg.ep, dist=self.dist)
+        self.layout = ParallelLayout(cfg.dp, cfg.tp, cfg.pp, cfg.cp, sp=cfg.sp, ep=cfg.ep,
+                                     dist=self.dist)
         self.tied_group = tied_groups(self.layout)
         c = self.layout.coords
         seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"], pp_rank=c["pp"])  # dropout's
@@ -111,8 +125,14 @@ class RunBase:
         for m in self.model.modules():  # this rank's experts, the others through all_to_all
             if isinstance(m, moe.MoE) and cfg.ep > 1:
                 moe.expert_parallel(m, dist=self.dist, group=self.layout.group("ep"))
+        self.split = None  # with cp > 1 or sp: how this rank holds each sequence
+        if cfg.cp > 1 or cfg.sp:
+            self.split = parallelize_sequence(
+                self.model, dist=self.dist, sp=cfg.sp, tp_group=self.layout.group("tp"),
+                cp_group=self.layout.group("cp") if cfg.cp > 1 else None)
         if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
-            parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"))
+            parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"),
+                               sequence_parallel=cfg.sp)
         self.stage = stage_layers(self.model, cfg.pp, c["pp"])
         self.is_first, self.is_last = c["pp"] == 0, c["pp"] == cfg.pp - 1
         self.dp_reduced_in_backward = False  # set by the wrapper that averages over dp
@@ -184,7 +204,8 @@ class RunBase:
     @torch.no_grad()
     def evaluate(self, batch: int = 32) -> float:
         """The mean loss per character over the held-out windows, the same on every rank
-        (pp = 1): each dp rank takes an equal share of them, one all-reduce sums."""
+        (pp = 1): each dp rank takes an equal share of them (each cp rank its part of their
+        positions), one all-reduce sums."""
         windows = TextWindows(self.val_ids, self.cfg.block_size)
         dp, mine = self.cfg.dp, self.layout.coords["dp"]
         per_rank = len(windows) // dp  # equal shares: ZeRO-3 gathers in lockstep
@@ -195,23 +216,37 @@ class RunBase:
             xs, ys = zip(*(windows[j] for j in ids[i:i + batch]))
             x, y = torch.stack(xs).to(self.device), torch.stack(ys).to(self.device)
             logits = precision_forward(self.stage, (x,), self.cfg.precision)
+            y = self.local_targets(y)
             total[0] += F.cross_entropy(logits.reshape(-1, self.vocab_size),
                                         y.reshape(-1), reduction="sum").double()
-            total[1] += y.numel()
+            total[1] += (y != IGNORE_INDEX).sum()
         self.stage.train(was)
-        total = total.to(comm_device(self.dist, self.layout.group("dp")))
-        if dp > 1:
-            self.dist.all_reduce(total, group=self.layout.group("dp"))
+        total = total.to(comm_device(self.dist, self.layout.group("dp_cp")))
+        if dp * self.cfg.cp > 1:
+            self.dist.all_reduce(total, group=self.layout.group("dp_cp"))
         return (total[0] / total[1]).item()
+
+    def local_targets(self, target: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole sequences' targets: with cp > 1, its zigzag part."""
+        if self.split is None or self.cfg.cp == 1:
+            return target
+        return self.split.local(target, IGNORE_INDEX)
 
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of a micro-batch, times the loss scale with fp16. With
         `token_weighted`, its summed loss over the step's real tokens of every dp rank (targets
-        -100 are padding), times k x dp: what the means over micro-batches and ranks undo."""
-        logits, target = logits.reshape(-1, self.vocab_size), target.reshape(-1)
+        -100 are padding), times k x dp: what the means over micro-batches and ranks undo.
+        With cp > 1, this rank's part of either (its tokens' summed loss over the micro-batch's
+        or the step's tokens), times cp: what the mean over the cp ranks undoes."""
+        cp, whole = self.cfg.cp, target
+        target = self.local_targets(target).reshape(-1)
+        logits = logits.reshape(-1, self.vocab_size)
         if self.cfg.token_weighted:
             loss = F.cross_entropy(logits, target, reduction="sum") * (
-                self.cfg.micro_batches * self.cfg.dp / self.step_tokens)
+                self.cfg.micro_batches * self.cfg.dp * cp / self.step_tokens)
+        elif cp > 1:
+            real = max(int((whole != IGNORE_INDEX).sum()), 1)
+            loss = F.cross_entropy(logits, target, reduction="sum") * (cp / real)
         else:
             loss = F.cross_entropy(logits, target)
         return loss * self.scaler.scale if self.scaler else loss
@@ -225,8 +260,9 @@ class RunBase:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """This rank's gradients of its share of the step's batch in .grad (scaled with fp16;
-        reduced over dp already if `dp_reduced_in_backward`); the local mean loss on the last
-        stage (scaled with fp16), None on the others."""
+        reduced over dp already if `dp_reduced_in_backward`; with sp, the norms' summed over
+        tp); the local mean loss on the last stage (scaled with fp16; with cp > 1 this rank's
+        share of it, the cp ranks' shares summing to it), None on the others."""
         k = self.cfg.micro_batches
         if self.cfg.token_weighted:  # the step's real tokens, every dp rank's, before any loss
             count = (y != -100).sum().to(comm_device(self.dist, self.layout.group("dp")))
@@ -251,135 +287,43 @@ class RunBase:
                     loss = self.loss_fn(self.module(xb), yb)
                     total = loss + self.cfg.aux_loss_coeff * aux_loss(self.module)
                     (total / k).backward()
-                local += loss.detach() / k
+                local += loss.detach() / (k * self.cfg.cp)
             if self.cfg.n_expert and self.cfg.dp > 1:
                 reduce_moe_grads(self)
+            if self.layout.sp:  # the norms and row biases saw this rank's tokens only
+                allreduce_sequence_parallel_grads(self.stage, self.dist, self.layout.group("tp"))
         if self.after_backward is not None:
             self.after_backward(self)
         return local
 
     def describe(self) -> dict[str, Any]:
-        """What this rank holds, for the layout's picture: its coordinates and groups, its
-        layers, its parameters (split by tp or whole) and its optimizer state."""
-        sharded = {id(p) for m in self.stage.modules() if type(m).__name__ in (
-            "ColumnParallelLinear", "RowParallelLinear") for n, p in m.named_parameters()
-            if not (n == "bias" and type(m).__name__ == "RowParallelLinear")}
-        params = list(self.stage.parameters())
-        layers = []
-        for m in self.stage:
-            name = type(m).__name__
-            if name == "Block":
-                index = next(i for i, b in enumerate(self.model) if b is m) - 1
-                name = f"block {index}"
-            layers.append(name.lower() if name != "Head" else "head (tied)")
-        zero_share = {0: 1, 1: self.cfg.dp, 3: self.cfg.dp}[self.cfg.zero]
-        return {"rank": self.layout.rank, "coords": dict(self.layout.coords),
-                "groups": {axis: self.layout.ranks(axis) for axis in ("tp", "dp", "pp")},
-                "layers": layers,
-                "sharded": sum(p.numel() for p in params if id(p) in sharded),
-                "whole": sum(p.numel() for p in params if id(p) not in sharded),
-                "tied": self.tied_weight is not None,
-                "adam state": 8 * sum(p.numel() for p in params) // zero_share,
-                "config": {k: getattr(self.cfg, k) for k in (
-                    "dp", "tp", "pp", "zero", "micro_batches", "batch_size", "block_size",
-                    "n_embd", "n_layer")}, "vocab_size": self.vocab_size}
+        """What this rank holds, for the layout's picture (`describe`)."""
+        return describe(self)
 
 
-# --- the data-parallel wrappers: the course's and PyTorch's -------------------------------------
-
-def wrap(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The course's components over the data-parallel group: DDP (lesson 04), ZeRO-1 or
-    ZeRO-3 (lesson 08); around them the compute precision."""
-    cfg, dist, group = run.cfg, run.dist, run.layout.group("dp")
-    if cfg.zero == 3:
-        shard_units(run.stage, functools.partial(fully_shard, dist=dist, group=group))
-    module: nn.Module = Precision(run.stage, cfg.precision)
-    optimizer = make_optimizer(cfg, run.stage.parameters(),
-                               functools.partial(ZeroRedundancyOptimizer, dist=dist, group=group))
-    if cfg.zero == 0 and cfg.pp == 1 and cfg.dp > 1 and not cfg.n_expert:
-        module = DistributedDataParallel(module, dist=dist, group=group)
-        if cfg.reduce_dtype == "bf16":
-            module.register_comm_hook(group, bf16_compress_hook)
-    run.dp_reduced_in_backward = cfg.dp > 1 and (cfg.zero > 0 or cfg.pp == 1)
-    return module, optimizer
-
-
-def reduce_moe_grads(run: RunBase) -> None:
-    """MoE blocks (no DDP): dense gradients averaged over dp; each expert's already sums its
-    ep group's tokens (the backward all_to_all brought them): averaged over its expert-data-
-    parallel group, then divided by ep."""
-    lay, experts = run.layout, {id(p) for p in moe.expert_parameters(run.stage)}
-    params = [p for p in run.stage.parameters() if p.grad is not None]
-    allreduce_grads_bucketed([p for p in params if id(p) not in experts], dist=run.dist,
-                             group=lay.group("dp"))
-    mine = [p for p in params if id(p) in experts]
-    if lay.dp // lay.ep > 1:
-        allreduce_grads_bucketed(mine, dist=run.dist, group=lay.group("edp"))
-    for p in mine:
-        p.grad.div_(lay.ep)
-
-
-def pipeline_schedule(run: RunBase) -> Any:
-    """1F1B over the pp group: lesson 07's, or torch.distributed.pipelining's (stack='torch')."""
-    cfg, c, group = run.cfg, run.layout.coords, run.layout.group("pp")
-    if cfg.stack == "torch":
-        from torch.distributed import pipelining
-
-        stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, run.device, group=group)
-        return pipelining.Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
-    stage = PipelineStage(run.module, c["pp"], cfg.pp, dist=run.dist, group=group)
-    return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
-
-
-def parallelize_blocks_torch(stage: nn.Module, mesh: Any) -> None:
-    """DTensor's tensor parallelism in each block, lesson 06's split: q, k, v and fc1 by
-    columns, out_proj and fc2 by rows."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    tp = mesh.size()
-    for block in stage:
-        if not isinstance(block, Block):
-            continue
-        attn = block.attn
-        # packed rows [q | k | v] put in the order [rank 0's shard | rank 1's | ...] (lesson 06's
-        # q, k, v of its heads), so that ColwiseParallel's even split gives each rank its heads
-        with torch.no_grad():
-            for p in (attn.qkv.weight, attn.qkv.bias):
-                p.copy_(torch.cat([shard(p, 0, r, tp, parts=3) for r in range(tp)]))
-        attn.local_heads = attn.num_heads // tp
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
-                                         "attn.out_proj": RowwiseParallel(),
-                                         "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
-
-
-def wrap_torch(run: RunBase) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """PyTorch's own parallelism in the same places, for the side-by-side comparison: DDP,
-    ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP (with FSDP2 over dp), and
-    (pipeline_schedule) torch.distributed.pipelining; on torch.distributed."""
-    import torch.distributed as tdist
-    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-
-    cfg = run.cfg
-    if run.dist is not tdist:
-        raise ValueError("stack='torch' needs torch.distributed as the process group")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    kind = run.device.type  # never FSDP2's default mesh: it picks the accelerator if there is one
-    dp_mesh = None
-    if cfg.tp > 1:  # ranks of a tp group are contiguous, as in our layout (pp = 1 here)
-        mesh = init_device_mesh(kind, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-        parallelize_blocks_torch(run.stage, mesh["tp"])
-        dp_mesh = mesh["dp"]
-    if cfg.zero == 3:
-        dp_mesh = dp_mesh if dp_mesh is not None else init_device_mesh(kind, (cfg.dp,))
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        shard_units(run.stage, functools.partial(torch_fully_shard, mesh=dp_mesh))
-    module: nn.Module = Precision(run.stage, cfg.precision)
-    optimizer = make_optimizer(cfg, run.stage.parameters(), TorchZero)
-    if cfg.zero in (0, 1) and cfg.dp > 1 and cfg.pp == 1:
-        module = torch.nn.parallel.DistributedDataParallel(
-            module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    run.dp_reduced_in_backward = cfg.dp > 1 and cfg.pp == 1
-    return module, optimizer
+def describe(run: RunBase) -> dict[str, Any]:
+    """What `run`'s rank holds, for the layout's picture: its coordinates and groups, its
+    layers, its parameters (split by tp or whole) and its optimizer state."""
+    sharded = {id(p) for m in run.stage.modules() if type(m).__name__ in (
+        "ColumnParallelLinear", "RowParallelLinear") for n, p in m.named_parameters()
+        if not (n == "bias" and type(m).__name__ == "RowParallelLinear")}
+    params = list(run.stage.parameters())
+    layers = []
+    for m in run.stage:
+        name = type(m).__name__
+        if name == "Block":
+            index = next(i for i, b in enumerate(run.model) if b is m) - 1
+            name = f"block {index}"
+        layers.append(name.lower() if name != "Head" else "head (tied)")
+    zero_share = {0: 1, 1: run.cfg.dp * run.cfg.cp, 3: run.cfg.dp * run.cfg.cp}[
+        run.cfg.zero]
+    return {"rank": run.layout.rank, "coords": dict(run.layout.coords),
+            "groups": {axis: run.layout.ranks(axis) for axis in ("tp", "dp", "pp")},
+            "layers": layers,
+            "sharded": sum(p.numel() for p in params if id(p) in sharded),
+            "whole": sum(p.numel() for p in params if id(p) not in sharded),
+            "tied": run.tied_weight is not None,
+            "adam state": 8 * sum(p.numel() for p in params) // zero_share,
+            "config": {k: getattr(run.cfg, k) for k in (
+                "dp", "tp", "pp", "zero", "micro_batches", "batch_size", "block_size",
+                "n_embd", "n_layer")}, "vocab_size": run.vocab_size}

@@ -26,6 +26,8 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                   # context parallelism: each sequence split over cp ranks
+    sp: bool = False              # sequence parallelism: the norm regions split over tp
     zero: int = 0                 # 0: DDP over dp; 1: ZeRO-1; 3: ZeRO-3 (fully_shard)
     precision: str = "fp32"       # compute dtype under autocast; master weights stay fp32
     reduce_dtype: str = "fp32"    # "bf16": gradients all-reduced in bf16 (DDP's hook)
@@ -74,7 +76,7 @@ class TrainConfig:
 
 def check_config(cfg: TrainConfig, world_size: int) -> None:
     """A ValueError naming the numbers that do not fit, before anything is allocated."""
-    check_degrees(cfg.dp, cfg.tp, cfg.pp, world_size)
+    check_degrees(cfg.dp, cfg.tp, cfg.pp, world_size, cfg.cp)
     problems = []
     if cfg.n_embd % cfg.n_head:
         problems.append(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
@@ -129,19 +131,43 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         problems.append(f"dropout={cfg.dropout}: choose a probability in [0, 1)")
     if cfg.stack == "torch" and (cfg.dropout or cfg.clip_grad_norm is not None):
         problems.append("stack='torch': dropout and clip_grad_norm are the course stack's")
-    if cfg.clip_grad_norm is not None and (cfg.clip_grad_norm <= 0 or cfg.zero):
-        problems.append(f"clip_grad_norm={cfg.clip_grad_norm} (zero={cfg.zero}): a positive "
-                        "norm, on layouts whose optimizer steps whole gradients (zero=0)")
+    if cfg.clip_grad_norm is not None and (cfg.clip_grad_norm <= 0 or cfg.zero and cfg.tp > 1):
+        problems.append(f"clip_grad_norm={cfg.clip_grad_norm} (zero={cfg.zero}, tp={cfg.tp}): "
+                        "a positive norm; with ZeRO's flat shards, on layouts without tp (a "
+                        "shard mixes sharded and replicated parameters)")
+    problems += _long_sequence_problems(cfg)
     if cfg.dp % cfg.ep or cfg.ep > 1 and not cfg.n_expert or cfg.n_expert % cfg.ep:
         problems.append(f"ep={cfg.ep}: it divides dp={cfg.dp} and n_expert={cfg.n_expert} > 0")
     if cfg.n_expert and (cfg.top_k not in (1, 2) or cfg.top_k > cfg.n_expert):
         problems.append(f"top_k={cfg.top_k}: 1 or 2, at most n_expert={cfg.n_expert}")
-    if cfg.n_expert and (cfg.tp, cfg.pp, cfg.zero, cfg.stack, cfg.micro_batches) != (
-            1, 1, 0, "course", 1):
-        problems.append("n_expert > 0 runs with tp=1, pp=1, zero=0, micro_batches=1 and the "
-                        "course's stack here")
+    if cfg.n_expert and (cfg.tp, cfg.pp, cfg.cp, cfg.zero, cfg.stack, cfg.micro_batches) != (
+            1, 1, 1, 0, "course", 1):
+        problems.append("n_expert > 0 runs with tp=1, pp=1, cp=1, zero=0, micro_batches=1 and "
+                        "the course's stack here")
     if problems:
         raise ValueError("TrainConfig: " + "; ".join(problems))
+
+
+def _long_sequence_problems(cfg: TrainConfig) -> list[str]:
+    """What context parallelism (cp > 1) and sequence parallelism (sp) do not run with here."""
+    problems = []
+    if cfg.sp and cfg.tp == 1:
+        problems.append("sp=True splits the tensor-parallel regions' norms: it needs tp > 1")
+    if cfg.cp > 1 or cfg.sp:
+        what = f"cp={cfg.cp}" if cfg.cp > 1 else "sp=True"
+        if cfg.pp > 1:
+            problems.append(f"{what} with pp={cfg.pp}: a pipeline stage would pass a part of "
+                            "each sequence; run it with pp=1")
+        if cfg.stack != "course" or cfg.dropout:
+            problems.append(f"{what}: the course's stack, without dropout (each rank would draw "
+                            "its part of the one-process masks)")
+    if cfg.cp > 1 and (cfg.sample or cfg.sample_every):
+        problems.append(f"cp={cfg.cp}: sampling needs every position of a prefix on a rank "
+                        "(cp=1)")
+    if cfg.sp and cfg.zero:
+        problems.append(f"sp=True with zero={cfg.zero}: the norms' gradients are summed over tp "
+                        "after backward, where ZeRO has already reduced them; use zero=0")
+    return problems
 
 
 def run_device(device: str) -> torch.device:

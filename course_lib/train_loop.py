@@ -47,7 +47,8 @@ def run_steps(run: Any, after_backward: Callable[[Any], None] | None = None) -> 
     bar = report = None
     if cfg.progress and rank == 0:
         from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, initial=first, desc=f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}")
+        bar = tqdm(total=cfg.steps, initial=first, desc=f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}"
+                   + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (" sp" if cfg.sp else ""))
     if cfg.progress_file and rank == 0:
         report = open(cfg.progress_file, "a", encoding="utf-8")
     losses, skipped, times, val, samples = [], [], [], [], []
@@ -119,7 +120,7 @@ def one_process(train: Callable[..., dict], cfg: TrainConfig, **kwargs: Any) -> 
 def one_process_config(cfg: TrainConfig) -> TrainConfig:
     """`cfg` on one process: the same model, batches and numerics, no parallelism, on the CPU
     (`one_process` runs on the scratch backend, a host backend)."""
-    return dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, micro_batches=1,
+    return dataclasses.replace(cfg, dp=1, tp=1, pp=1, cp=1, sp=False, zero=0, micro_batches=1,
                                reduce_dtype="fp32", progress=False, progress_file="",
                                device="cpu")
 
@@ -207,20 +208,35 @@ def _maybe_float(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
+FLAG_HELP = {
+    "dp": "data-parallel ranks (default %(default)s)",
+    "tp": "tensor-parallel ranks: each block's heads and hidden units split "
+          "(default %(default)s)",
+    "pp": "pipeline stages (default %(default)s)",
+    "cp": "context-parallel ranks: each sequence split in zigzag parts, attention by ring "
+          "attention (lesson 12b); dp x cp x tp x pp = the world (default %(default)s)",
+    "sp": "sequence parallelism on the tp ranks: norms and residuals split along the "
+          "sequence (lesson 12a); needs tp > 1",
+    "zero": "0: DDP; 1: ZeRO-1; 3: ZeRO-3 (default %(default)s)",
+    "clip_grad_norm": "clip the whole model's gradient norm to this (default: no clipping)",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m course_lib.train",
-                                description="The capstone's GPT on a (dp, tp, pp) layout.")
+                                description="The capstone's GPT on a (dp, tp, pp, cp) layout.")
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("progress", "progress_file"):
             continue  # rank 0 always shows a bar when run from the command line
         if f.type == "bool":
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=FLAG_HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str,
                     "float | None": _maybe_float}[f.type]
-            p.add_argument(flag, type=kind, default=getattr(defaults, f.name))
+            p.add_argument(flag, type=kind, default=getattr(defaults, f.name),
+                           help=FLAG_HELP.get(f.name))
     p.add_argument("--json", metavar="FILE", help="write the loss per step (and the run) here")
     p.add_argument("--backend", default="gloo", help="without torchrun: course_lib.spawn's "
                    "backend (gloo or scratch)")
@@ -236,7 +252,7 @@ def cli_main(argv: list[str] | None, train: Callable[..., dict],
     (`course_lib.backend.torchrun_init`: NCCL on this rank's GPU, or gloo); otherwise
     `course_lib.spawn(spawn_rank, dp * tp * pp, cfg)`."""
     cfg, args = parse_args(argv)
-    world = cfg.dp * cfg.tp * cfg.pp
+    world = cfg.dp * cfg.cp * cfg.tp * cfg.pp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
         import torch.distributed as tdist
         check_config(cfg, int(os.environ["WORLD_SIZE"]))

@@ -1,6 +1,7 @@
 """ParallelLayout: every rank's data, tensor and pipeline groups for each (dp, tp, pp) on 4
 ranks, on both backends, checked against groups written out by hand and by communicating in
-them; degrees that do not fit the world get an error naming them."""
+them; the context-parallel axis and the "dp_cp" group; degrees that do not fit the world get
+an error naming them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from course_lib.layout import ParallelLayout, check_degrees
+from course_lib.layout import ParallelLayout, check_degrees, layout_groups
 from course_lib.spawn import spawn
 
 # rank = (pp_rank * dp + dp_rank) * tp + tp_rank: tp contiguous, dp within a pipeline stage.
@@ -48,7 +49,7 @@ def test_every_rank_gets_its_groups(backend):
         for degrees, want in EXPECTED.items():
             got = layouts[degrees]
             dp, tp, pp = degrees
-            assert got["coords"] == {"pp": rank // (dp * tp), "dp": rank // tp % dp,
+            assert got["coords"] == {"pp": rank // (dp * tp), "dp": rank // tp % dp, "cp": 0,
                                      "tp": rank % tp}, (degrees, rank)
             for axis, groups in want.items():
                 mine = next(g for g in groups if rank in g)
@@ -61,7 +62,7 @@ def test_every_rank_gets_its_groups(backend):
 @pytest.mark.parametrize("degrees, message", [
     ((2, 2, 2), r"dp=2 x tp=2 x pp=2 = 8, but the world has 4 ranks"),
     ((3, 1, 1), r"dp=3 x tp=1 x pp=1 = 3, but the world has 4 ranks"),
-    ((0, 4, 1), r"positive ints, got dp=0 \(dp=0, tp=4, pp=1\)"),
+    ((0, 4, 1), r"positive ints, got dp=0 \(dp=0, tp=4, pp=1, cp=1\)"),
     ((2, -2, -1), r"positive ints, got pp=-1, tp=-2"),
     ((2, 2, 1.0), r"positive ints, got pp=1.0"),
 ])
@@ -91,8 +92,9 @@ def test_expert_groups_split_each_dp_group(degrees, ep, want):
                                 new_group=lambda ranks: made.append(list(ranks)) or tuple(ranks))
         layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, dist=world)
         assert layout.expert_groups() == want
-        old = EXPECTED[degrees]  # the existing groups first, in their order: ids unchanged
-        assert made == [*old["pp"], *old["dp"], *old["tp"], *want["ep"], *want["edp"]]
+        old = EXPECTED[degrees]  # the (dp, tp, pp) groups first, in their order: ids unchanged
+        cp = [[r] for r in range(4)]  # then cp's (of one rank each here); dp_cp is dp's
+        assert made == [*old["pp"], *old["dp"], *old["tp"], *cp, *want["ep"], *want["edp"]]
         for axis in ("ep", "edp"):
             mine = next(g for g in want[axis] if rank in g)
             assert layout.group(axis) == tuple(mine)
@@ -109,3 +111,32 @@ def test_ep_must_divide_dp():
                             new_group=lambda ranks: tuple(ranks))
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
         ParallelLayout(dp=4, ep=3, dist=world)
+
+
+def test_layout_groups_with_a_cp_axis():
+    """tp innermost, then cp, then dp, then pp; each axis's groups tile the world."""
+    groups = layout_groups(2, 2, 1, 2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["pp"] == [[r] for r in range(8)]
+    for name, every in groups.items():
+        assert sorted(r for g in every for r in g) == list(range(8)), name
+    with pytest.raises(ValueError, match=r"dp=2 x cp=2 x tp=2 x pp=1 = 8, but the world has 4"):
+        check_degrees(2, 2, 1, 4, cp=2)
+
+
+def test_dp_cp_group_holds_the_ranks_with_the_same_weights():
+    """The gradients are averaged over dp and cp together: one group per (pp, tp)."""
+    for rank in range(8):
+        made = []
+        world = SimpleNamespace(get_world_size=lambda group=None: 8,
+                                get_rank=lambda group=None, r=rank: r,
+                                new_group=lambda ranks: made.append(list(ranks)) or tuple(ranks))
+        layout = ParallelLayout(dp=2, tp=2, cp=2, sp=True, dist=world)
+        assert layout.coords == {"pp": 0, "dp": rank // 4, "cp": rank // 2 % 2, "tp": rank % 2}
+        assert layout.group("dp_cp") == ((0, 2, 4, 6) if rank % 2 == 0 else (1, 3, 5, 7))
+        assert layout.group("cp") == tuple(layout.ranks("cp"))
+        assert layout.sp and layout.cp == 2
+        assert made[-2:] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert "cp=2, sp" in repr(layout)

@@ -68,6 +68,31 @@ AT_SCALE = dataclasses.replace(SGD, steps=3, dropout=0.2, token_weighted=True, c
 SCALE_LAYOUTS = {"(2,2,1) dropout, per token, clipped": dict(dp=2, tp=2),
                  "(2,1,2) dropout, per token, clipped": dict(dp=2, pp=2)}
 
+# Long sequences (issue 48): context parallelism (each sequence in zigzag parts, ring attention)
+# and sequence parallelism (the norm regions split over tp); ZeRO with clipping (issue 46): each
+# rank's real elements of its gradient shards, summed over the ranks that share them. Three SGD
+# steps each; one process with the same clipping of the whole gradient is the reference.
+LONG = dataclasses.replace(SGD, steps=3)
+LONG_LAYOUTS = {"(2,1,1) cp=2": dict(dp=2, cp=2),  # 4 ranks
+                "(1,2,1) cp=2, SP, block 10": dict(cp=2, tp=2, sp=True, block_size=10),
+                "cp=2": dict(cp=2),  # 2 ranks from here
+                "tp=2, SP": dict(tp=2, sp=True),
+                "(2,1,1) ZeRO-1, clipped": dict(dp=2, zero=1, clip_grad_norm=0.3),
+                "(2,1,1) ZeRO-3, clipped": dict(dp=2, zero=3, clip_grad_norm=0.3)}
+
+
+def long_world(kw: dict) -> int:
+    return kw.get("dp", 1) * kw.get("cp", 1) * kw.get("tp", 1)
+
+
+def one_process_losses(cfg: TrainConfig) -> list[float]:
+    """`reference_losses`, once per one-process configuration (layouts share it)."""
+    return _one_process_losses(one_process_config(cfg))
+
+
+_one_process_losses = functools.lru_cache(maxsize=None)(reference_losses)
+
+
 RESUMED = ("(2,2,1) ZeRO-1", "(2,1,2)")  # sharded optimizer state; a tied weight on two stages
 
 
@@ -78,6 +103,8 @@ def results(tmp_path_factory):
     cfgs.update({name: dataclasses.replace(AT_SCALE, **kw) for name, kw in SCALE_LAYOUTS.items()})
     cfgs.update({name: dataclasses.replace(MOE, **kw) for name, kw in MOE_LAYOUTS.items()
                  if kw["dp"] == 4})
+    cfgs.update({name: dataclasses.replace(LONG, **kw) for name, kw in LONG_LAYOUTS.items()
+                 if long_world(kw) == 4})
     for name in RESUMED:  # stopped after 10 steps (checkpoints at 5 and 10), then resumed
         folder = str(tmp_path_factory.mktemp("checkpoints"))
         cfgs[name + " stopped"] = dataclasses.replace(
@@ -202,7 +229,13 @@ def test_activation_checkpointing_changes_nothing_but_memory():
     (dict(dp=2, tp=2, stack="torch"), "stack='torch' with tp=2 composes DTensor's TP with FSDP2 "
                                       "over dp=2: it needs zero=3 (got zero=0)"),
     (dict(dp=1, tp=2, pp=2, stack="torch"), "runs tp > 1 or pp > 1, not both (got tp=2, pp=2)"),
-    (dict(dp=2, tp=2, zero=1, clip_grad_norm=1.0), "clip_grad_norm=1.0 (zero=1)"),
+    (dict(dp=2, tp=2, zero=1, clip_grad_norm=1.0), "clip_grad_norm=1.0 (zero=1, tp=2)"),
+    (dict(dp=2, cp=2, tp=2), "dp=2 x cp=2 x tp=2 x pp=1 = 8, but the world has 4"),
+    (dict(dp=4, sp=True), "sp=True splits the tensor-parallel regions' norms: it needs tp > 1"),
+    (dict(cp=2, pp=2), "cp=2 with pp=2"),
+    (dict(dp=2, tp=2, sp=True, zero=1), "sp=True with zero=1"),
+    (dict(dp=2, cp=2, sample=10), "cp=2: sampling needs every position"),
+    (dict(dp=2, cp=2, dropout=0.1), "cp=2: the course's stack, without dropout"),
     (dict(dp=4, dropout=1.0), "dropout=1.0: choose a probability in [0, 1)"),
 ])
 def test_bad_layout_is_named_before_anything_runs(kw, named):
@@ -341,16 +374,48 @@ def experts_losses(layout: TrainConfig) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def moe_results():
+def two_rank_results():
+    """The two-rank runs, in one spawn: MoE layouts and long sequences."""
     cfgs = {n: dataclasses.replace(MOE, **kw) for n, kw in MOE_LAYOUTS.items() if kw["dp"] == 2}
+    cfgs.update({name: dataclasses.replace(LONG, **kw) for name, kw in LONG_LAYOUTS.items()
+                 if long_world(kw) == 2})
     return spawn(run_layouts, 2, cfgs, backend="scratch", timeout=300)
 
 
 @pytest.mark.parametrize("name", MOE_LAYOUTS)
-def test_moe_blocks_with_expert_parallelism_equal_one_process(results, moe_results, name):
+def test_moe_blocks_with_expert_parallelism_equal_one_process(results, two_rank_results, name):
     """Each rank holds half of the experts and sends tokens to the others by all_to_all; the
     loss per step equals one process holding every expert, routing each rank's rows apart."""
-    per_rank = (moe_results if MOE_LAYOUTS[name]["dp"] == 2 else results)
+    per_rank = (two_rank_results if MOE_LAYOUTS[name]["dp"] == 2 else results)
     losses = per_rank[0][name]["losses"]
     assert all(r[name]["losses"] == losses for r in per_rank), "ranks disagree on the loss"
     assert rel(losses, experts_losses(dataclasses.replace(MOE, **MOE_LAYOUTS[name]))) < FP32_RTOL
+
+
+@pytest.mark.parametrize("name", LONG_LAYOUTS)
+def test_long_sequence_and_clipped_zero_layouts_equal_one_process(results, two_rank_results,
+                                                                   name):
+    """cp ranks each hold their zigzag part of every sequence (block 10: padded to 16 on
+    cp = tp = 2 with SP) and their tokens' share of the loss; SP's norms are summed over tp;
+    ZeRO-1 and ZeRO-3 clip the norm of the gradient their shards hold together. The loss per
+    step equals one process's (clipping the whole gradient where clipped), fp32 within 1e-5."""
+    kw = LONG_LAYOUTS[name]
+    per_rank = two_rank_results if long_world(kw) == 2 else results
+    losses = per_rank[0][name]["losses"]
+    assert all(r[name]["losses"] == losses for r in per_rank), "ranks disagree on the loss"
+    cfg = dataclasses.replace(LONG, **kw)
+    assert rel(losses, one_process_losses(cfg)) < FP32_RTOL
+    if cfg.clip_grad_norm is not None:  # the clipping bites: unclipped, another trajectory
+        unclipped = one_process_losses(dataclasses.replace(cfg, clip_grad_norm=None))
+        assert rel(losses, unclipped) > 10 * FP32_RTOL
+
+
+def test_the_command_line_documents_cp_and_sp(capsys):
+    from course_lib.train_loop import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--cp CP context-parallel ranks" in shown and "--sp sequence parallelism" in shown
+    cfg, _ = parse_args(["--dp", "2", "--cp", "2", "--tp", "2", "--sp"])
+    assert (cfg.dp, cfg.cp, cfg.tp, cfg.sp) == (2, 2, 2, True)

@@ -12,45 +12,53 @@ import torch
 from torch import nn
 
 from course_lib.course.grading import Exercise, case, register
-from course_lib.course.grading.exercises.lesson11.common import AXES, PART_A
+from course_lib.course.grading.exercises.lesson11.common import PART_A
 
 
 # --- 11a: lesson11.layout_groups ---------------------------------------------------------------
 
+GROUP_AXES = ("pp", "dp", "cp", "tp")  # the layout's axes, outermost to innermost
 
-def groups_harness(fn, dp: int, tp: int, pp: int) -> dict:
-    got = fn(dp, tp, pp)
-    if not isinstance(got, dict) or set(got) != set(AXES):
-        return {"groups": f"a dict with keys {sorted(AXES)} expected, got {got!r}"[:300]}
-    return {"groups": {a: [[int(r) for r in g] for g in got[a]] for a in AXES}}
+
+def groups_harness(fn, dp: int, tp: int, pp: int, cp: int) -> dict:
+    got = fn(dp, tp, pp, cp)
+    if not isinstance(got, dict) or set(got) != set(GROUP_AXES):
+        return {"groups": f"a dict with keys {sorted(GROUP_AXES)} expected, got {got!r}"[:300]}
+    return {"groups": {a: [[int(r) for r in g] for g in got[a]] for a in GROUP_AXES}}
 
 
 register(Exercise(
     name="lesson11.layout_groups",
     notebook=PART_A,
-    params=("dp", "tp", "pp"),
+    params=("dp", "tp", "pp", "cp"),
     cases=[
-        case(4, 1, 1, label="(4,1,1): data parallel only"),
-        case(2, 2, 1, label="(2,2,1)"),
-        case(2, 1, 2, label="(2,1,2)"),
-        case(1, 2, 2, label="(1,2,2)"),
-        case(2, 2, 2, label="(2,2,2): 8 ranks"),
-        case(3, 2, 1, label="(3,2,1): 6 ranks, dp not a power of two"),
-        case(1, 3, 2, label="(1,3,2): tp of 3"),
-        case(2, 3, 2, label="(2,3,2): 12 ranks"),
-        case(1, 1, 3, label="(1,1,3): pipeline only"),
+        case(4, 1, 1, 1, label="(4,1,1): data parallel only"),
+        case(2, 2, 1, 1, label="(2,2,1)"),
+        case(2, 1, 2, 1, label="(2,1,2)"),
+        case(1, 2, 2, 1, label="(1,2,2)"),
+        case(2, 2, 2, 1, label="(2,2,2): 8 ranks"),
+        case(3, 2, 1, 1, label="(3,2,1): 6 ranks, dp not a power of two"),
+        case(1, 3, 2, 1, label="(1,3,2): tp of 3"),
+        case(2, 3, 2, 1, label="(2,3,2): 12 ranks"),
+        case(1, 1, 3, 1, label="(1,1,3): pipeline only"),
+        case(1, 1, 1, 4, label="(1,1,1), cp=4: context parallel only"),
+        case(2, 1, 1, 2, label="(2,1,1), cp=2"),
+        case(1, 2, 1, 2, label="(1,2,1), cp=2"),
+        case(2, 2, 2, 2, label="(2,2,2), cp=2: 16 ranks"),
+        case(1, 2, 2, 3, label="(1,2,2), cp=3: 12 ranks"),
     ],
     reference="lesson11:layout_groups",
     explain="lesson11:explain_layout_groups",
     harness=groups_harness,
     points=2,
-    hints=("Each rank has a coordinate on each of the three axes, and the ranks are counted with "
-           "the tp coordinate changing fastest, then dp, then pp. A group of one axis is the "
-           "ranks whose other two coordinates are equal.",
-           "Picture the ranks as pp tables, one per stage, each of dp rows and tp columns, filled "
-           "row by row and table after table: a tp group is a row of one table, a dp group a "
-           "column of one table, a pp group the same cell of every table. List each in the order "
-           "of its own coordinate."),
+    hints=("Each rank has a coordinate on each of the four axes, and the ranks are counted with "
+           "the tp coordinate changing fastest, then cp, then dp, then pp. A group of one axis is "
+           "the ranks whose other three coordinates are equal.",
+           "Picture the ranks as pp tables, one per stage, each of dp rows; each row holds cp "
+           "blocks of tp cells, filled cell by cell, row by row and table after table: a tp "
+           "group is one block, a cp group the same cell of every block of a row, a dp group the "
+           "same cell of every row of a table, a pp group the same cell of every table. List "
+           "each in the order of its own coordinate."),
 ))
 
 

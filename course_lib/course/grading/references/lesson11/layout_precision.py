@@ -14,7 +14,7 @@ from course_lib.course.grading.exercises.lesson11 import layout_precision as ex
 from course_lib.course.grading.references.lesson11.common import DTYPES, _close
 from course_lib.i18n import _
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 
 
 def _keeps_rng(fn):
@@ -29,15 +29,15 @@ def _keeps_rng(fn):
 
 # --- lesson11.layout_groups --------------------------------------------------------------------
 
-def _coords(dp: int, tp: int, pp: int) -> dict[int, dict[str, int]]:
-    return {(p * dp + d) * tp + t: {"pp": p, "dp": d, "tp": t}
-            for p, d, t in itertools.product(range(pp), range(dp), range(tp))}
+def _coords(dp: int, tp: int, pp: int, cp: int) -> dict[int, dict[str, int]]:
+    return {((p * dp + d) * cp + c) * tp + t: {"pp": p, "dp": d, "cp": c, "tp": t}
+            for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp))}
 
 
-def layout_groups(dp: int, tp: int, pp: int) -> dict:
+def layout_groups(dp: int, tp: int, pp: int, cp: int) -> dict:
     """Brute force over the rank grid: two ranks share an axis's group when every other
     coordinate is equal."""
-    coords = _coords(dp, tp, pp)
+    coords = _coords(dp, tp, pp, cp)
     out = {}
     for axis in AXES:
         groups: dict[tuple, list[int]] = {}
@@ -50,13 +50,13 @@ def layout_groups(dp: int, tp: int, pp: int) -> dict:
 
 
 def explain_layout_groups(case, rank, expected, got) -> str | None:
-    dp, tp, pp = case.args
+    dp, tp, pp, cp = case.args
     want, have = expected["groups"], got.get("groups") if isinstance(got, dict) else None
     if not isinstance(have, dict):
         return None
-    coords = _coords(dp, tp, pp)
-    degree = {"dp": dp, "tp": tp, "pp": pp}
-    for axis in ("tp", "dp", "pp"):
+    coords = _coords(dp, tp, pp, cp)
+    degree = {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+    for axis in ("tp", "cp", "dp", "pp"):
         mine, right = have.get(axis), want[axis]
         if mine == right:
             continue
@@ -74,15 +74,15 @@ def explain_layout_groups(case, rank, expected, got) -> str | None:
                          "{axis} coordinate", axis=axis, n=len(g), group=g, degree=degree[axis])
             if any(r not in coords for r in g):
                 return _("group {group} names a rank that is not in a world of {n}", group=g,
-                         n=dp * tp * pp)
+                         n=dp * cp * tp * pp)
             others = [a for a in AXES if a != axis]
             for a in others:
                 values = sorted({coords[r][a] for r in g})
                 if len(values) > 1:
                     return _("the {axis} group {group} mixes {other} coordinates {values}: its "
                              "ranks may differ only in their {axis} coordinate (ranks are "
-                             "counted tp fastest, then dp, then pp)", axis=axis, group=g,
-                             other=a, values=values)
+                             "counted tp fastest, then cp, then dp, then pp)", axis=axis,
+                             group=g, other=a, values=values)
         return _("the {axis} groups are not the ones the rank order gives: {got} for "
                  "{expected}", axis=axis, got=mine, expected=right)
     return None
