@@ -6,7 +6,12 @@ of them alike. Per variant: median step time of the slowest rank, tokens per sec
 to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP with
 FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of
 parameters, gradients and optimizer state of the fullest rank, measured from the tensors'
-storages and by the formula the capstone notebook states.
+storages and by the formula the capstone notebook states. The roofline of each step
+(`course_lib.course.bench.roofline`): model FLOPs per rank (6 x N x tokens plus attention, over
+the 4 ranks), achieved FLOP/s against the matmul peak measured on every rank at once in the same
+run, MFU, and the share of the step not spent computing (1 - compute / step; compute: a local
+GPT's forward, backward and AdamW on this rank's samples, timed in the same loop, divided by
+tp x pp, with AdamW on 1/dp of the parameters under ZeRO).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
 from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
+from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dp_bytes, gpt_flops,
+                                              roofline)
 from course_lib.train import TrainConfig
 from course_lib.train import Run
 from course_lib.spawn import spawn
@@ -87,8 +94,15 @@ def measure(names: list[str], args: dict) -> dict:
 
 
     torch.set_num_threads(1)
+    tdist.barrier()
+    peak = calibrate_peak()
+    bandwidth = bus_bandwidth(tdist)
     runs = {n: Run(config(n, args), dist=tdist) for n in names}
+    first = next(iter(runs.values()))
+    local = {dp: _local_model(first, args["batch_size"] // dp)
+             for dp in sorted({VARIANTS[n][0] for n in names})}
     times: dict[str, list[float]] = {n: [] for n in names}
+    compute: dict[int, dict[str, list[float]]] = {dp: {"fb": [], "adam": []} for dp in local}
     for i in range(args["warmup"] + args["steps"]):
         for n, run in runs.items():
             x, y = next(run.data)
@@ -97,10 +111,42 @@ def measure(names: list[str], args: dict) -> dict:
             run.step(x, y)
             if i >= args["warmup"]:
                 times[n].append(time.perf_counter() - start)
-    return {"times": times,
+        tdist.barrier()
+        for dp, (model, opt, x, y) in local.items():
+            fb, adam = _local_step(model, opt, x, y)
+            if i >= args["warmup"]:
+                compute[dp]["fb"].append(fb)
+                compute[dp]["adam"].append(adam)
+    return {"times": times, "peak": peak, "bandwidth": bandwidth, "compute": compute,
+            "vocab_size": first.vocab_size,
             "bytes": {n: sum(r.memory.values()) for n, r in runs.items()},
             "formula": {n: formula_bytes(r.cfg, r.vocab_size, r.layout.coords)
                         for n, r in runs.items()}}
+
+
+def _local_model(run: Any, sequences: int) -> tuple[Any, Any, Any, Any]:
+    """The run's GPT whole, in this process alone, with AdamW and `sequences` random ones."""
+    import torch
+
+    from course_lib.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(run.cfg.model_config(run.vocab_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, run.vocab_size, (sequences, run.cfg.block_size + 1))
+    return model, opt, ids[:, :-1], ids[:, 1:]
+
+
+def _local_step(model: Any, opt: Any, x: Any, y: Any) -> tuple[float, float]:
+    """Seconds of forward + backward, and of AdamW, with no communication."""
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    t1 = time.perf_counter()
+    opt.step()
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _worker(rank: int, world: int, args: dict, names: list[str]) -> dict:
@@ -110,6 +156,11 @@ def _worker(rank: int, world: int, args: dict, names: list[str]) -> dict:
 def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
     tokens = args["batch_size"] * args["block_size"]
     step = {n: median(slowest_rank([r["times"][n] for r in results])) for n in names}
+    has_roofline = all("peak" in r for r in results)
+    if has_roofline:
+        flops = gpt_flops(args["n_layer"], args["n_embd"], results[0]["vocab_size"],
+                          args["block_size"], tokens)["total"] / len(results)  # per rank
+        peak = max(r["peak"] for r in results)  # the best rank: noise only slows
     rows = []
     for n in names:
         fullest = max(range(len(results)), key=lambda k: results[k]["bytes"][n])
@@ -121,6 +172,15 @@ def summarize(results: list[dict], names: list[str], args: dict) -> list[dict]:
                      "vs_torch": step[n] / step[counterpart] if counterpart in step else None,
                      "state_mib": measured / 2**20, "formula_mib": formula / 2**20,
                      "vs_formula": measured / formula})
+        if has_roofline:
+            fb, adam = (median(slowest_rank([r["compute"][dp][k] for r in results]))
+                        for k in ("fb", "adam"))
+            rows[-1].update(roofline(flops, step[n], peak,
+                                     (fb + adam / (dp if zero else 1)) / (tp * pp)))
+            params = formula / {0: 16, 1: 8 + 8 / dp, 3: 16 / dp}[zero]  # the fullest rank's
+            rows[-1]["bus_gbps"] = median(r["bandwidth"] for r in results) / 1e9
+            rows[-1]["dp_mib"] = (dp_bytes(params, dp, zero) / 2**20 if tp == pp == 1
+                                  else None)  # tp and pp traffic: not in this model
     return rows
 
 
@@ -151,7 +211,7 @@ TITLE = N_("The capstone's layouts against torch's stack")
 
 def figures(rows: list[dict]) -> Iterable[Figure]:
     for r in rows:
-        if r.get("stack") == "ours" and r.get("vs_torch") is not None:
+        if r.get("stack") == "course" and r.get("vs_torch") is not None:
             yield Figure(_("{layout} {variant} / torch's stack", layout=r["layout"],
                            variant=r["variant"]), r["vs_torch"], 1.0)
     for r in rows:

@@ -7,7 +7,11 @@ torch's counterpart; bytes of parameters, gradients and optimizer state per rank
 from the tensors' storages and by the closed form; and, in a separate run per variant (peak
 resident memory is a high-water mark, so it needs a process of its own), the peak RSS growth
 of a rank over building the variant and training a few steps (the high-water mark reset to
-the current RSS first).
+the current RSS first). The roofline of each step (`course_lib.course.bench.roofline`): model
+FLOPs per rank (6 x linear parameters x samples; no attention in this model), achieved FLOP/s
+against the matmul peak measured on every rank at once in the same run, MFU, and the share of
+the step not spent computing (1 - compute / step, compute timed on a local copy of the model:
+forward and backward, and Adam on the parameters this rank updates).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from course_lib.i18n import N_, _
 from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
 from course_lib import zero
 from course_lib.course.bench.ddp import make_blocks
+from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dense_flops, dp_bytes,
+                                              linear_params, roofline)
 from course_lib.ddp import DistributedDataParallel
 from course_lib.zero import state_bytes, storage_bytes
 from course_lib.spawn import spawn
@@ -114,14 +120,31 @@ def _step(model: Any, opt: Any, x: Any) -> None:
     opt.step()
 
 
+def _local_step(model: Any, opt: Any, x: Any) -> tuple[float, float]:
+    """Seconds of forward + backward, and of Adam, of a model no one communicates about."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    t1 = time.perf_counter()
+    opt.step()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def measure(names: list[str], args: dict, rank: int) -> dict:
-    """Time every variant, interleaved; then count its state bytes."""
+    """Time every variant, interleaved, and the same step without communication; then count
+    every variant's state bytes. First the matmul peak, every rank at once."""
     import torch
     import torch.distributed as tdist
 
+    tdist.barrier()
+    peak = calibrate_peak()
+    bandwidth = bus_bandwidth(tdist)
     built = {n: build(n, args) for n in names}
+    local = make_blocks(args["hidden"], args["layers"])
+    local = (local, torch.optim.Adam(local.parameters(), lr=1e-4))
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {n: [] for n in names}
+    compute: dict[str, list[float]] = {"forward_backward": [], "adam": []}
     for it in range(args["warmup"] + args["iters"]):
         for n in names:
             tdist.barrier()
@@ -129,7 +152,13 @@ def measure(names: list[str], args: dict, rank: int) -> dict:
             _step(*built[n], x)
             if it >= args["warmup"]:
                 times[n].append(time.perf_counter() - t0)
-    return {"times": times, "bytes": {n: measured_bytes(*built[n]) for n in names}}
+        tdist.barrier()
+        fb, adam = _local_step(*local, x)
+        if it >= args["warmup"]:
+            compute["forward_backward"].append(fb)
+            compute["adam"].append(adam)
+    return {"times": times, "bytes": {n: measured_bytes(*built[n]) for n in names},
+            "peak": peak, "bandwidth": bandwidth, "compute": compute}
 
 
 def _rss_kib(field: str) -> int:
@@ -183,9 +212,16 @@ def _peak_worker(rank: int, world: int, args: dict, variant: str) -> float:
 
 def summarize(results: list[dict], names: list[str], args: dict,
               peaks: dict[str, list[float]] | None = None) -> list[dict]:
-    params = sum(p.numel() for p in make_blocks(args["hidden"], args["layers"]).parameters())
+    model = make_blocks(args["hidden"], args["layers"])
+    params = sum(p.numel() for p in model.parameters())
     world = len(results)
     step = {n: 1e3 * median(slowest_rank([r["times"][n] for r in results])) for n in names}
+    flops = dense_flops(linear_params(model), args["batch"])  # per rank: its own samples
+    has_roofline = all("peak" in r for r in results)
+    if has_roofline:
+        peak = max(r["peak"] for r in results)  # the best rank: noise only slows
+        fb, adam = (median(slowest_rank([r["compute"][k] for r in results]))
+                    for k in ("forward_backward", "adam"))
     rows = []
     for n in names:
         row = {"variant": n, "world": world, "params": params, "step_ms": step[n],
@@ -194,6 +230,12 @@ def summarize(results: list[dict], names: list[str], args: dict,
                             if COUNTERPART.get(n) in step else None),
                "state_mib": max(r["bytes"][n] for r in results) / 2**20,
                "formula_mib": formula_bytes(n, params, world) / 2**20}
+        if has_roofline:  # Adam updates 1/N of the parameters from ZeRO-1 on
+            sharded = formula_bytes(n, params, world) < 16 * params
+            row.update(roofline(flops, step[n] / 1e3, peak, fb + adam / (world if sharded else 1)))
+            stage = 3 if n in ("zero3", "torch_fsdp2") else 0
+            row["bus_gbps"] = median(r["bandwidth"] for r in results) / 1e9
+            row["dp_mib"] = dp_bytes(params, world, stage) / 2**20
         if peaks:
             row["peak_rss_mib"] = max(peaks[n])
         rows.append(row)
