@@ -150,22 +150,11 @@ def first_ranks_as_world(k: int) -> Iterator[None]:
     dist.get_world_size = lambda group=None: k if group is None else saved["get_world_size"](group)
     for name in LIBRARY:
         setattr(dist, name, refuse(name))
-    _narrowed[0] += 1
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        _narrowed[0] -= 1
-
-
-_narrowed = [0]  # blocks of first_ranks_as_world not yet left, in this engine
-
-
-def settled() -> bool:
-    """On an engine: whether no case is still inside its narrowed world (a case cut off by its
-    time limit leaves one behind when its rank was stuck where no interrupt reaches)."""
-    return _narrowed[0] == 0
 
 
 class LateDist(CountingDist):
