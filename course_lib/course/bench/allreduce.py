@@ -35,12 +35,12 @@ import math
 import os
 import re
 import sys
-import time
 
 from course_lib import mpi
 from course_lib.course.bench import interleave
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import Figure, choose, median, size_text, slowest_rank
+from course_lib.course.bench.common import (Figure, choose, clock, median, size_text,
+                                           slowest_rank)
 from course_lib import dist
 from course_lib.spawn import spawn
 from course_lib.dist.collectives import ALGORITHMS
@@ -195,9 +195,9 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
         for k in range(untimed + timed):
             buf.fill_(rank + 1)
             barrier()
-            t0 = time.perf_counter()
+            t0 = clock(buf.device)
             all_reduce(buf)
-            elapsed = time.perf_counter() - t0
+            elapsed = clock(buf.device) - t0
             if checks[i] is not None:
                 if not checks[i]():
                     raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_to_all of "

@@ -19,10 +19,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import argparse
-import time
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import Figure, median, slowest_rank
+from course_lib.course.bench.common import Figure, clock, median, slowest_rank
 from course_lib.backend import default_dist
 from course_lib.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
 from course_lib.pipeline import Event, bubble_fractions, ideal_bubble
@@ -71,7 +70,7 @@ def run_stage(rank: int, world: int, cfg: dict) -> list[dict]:
             for i in range(cfg["warmup"] + cfg["repeats"]):
                 stage.submodule.zero_grad(set_to_none=True)
                 dist.barrier()
-                start = time.perf_counter()
+                start = clock(x.device)
                 if stage.is_first and stage.is_last:
                     schedule.step(x, target=x)
                 elif stage.is_first:
@@ -80,7 +79,7 @@ def run_stage(rank: int, world: int, cfg: dict) -> list[dict]:
                     schedule.step(target=x)
                 else:
                     schedule.step()
-                elapsed = time.perf_counter() - start
+                elapsed = clock(x.device) - start
                 if i >= cfg["warmup"]:
                     records.append({"schedule": name, "m": m, "seconds": elapsed,
                                     "events": [tuple(e) for e in schedule.events],
@@ -119,9 +118,9 @@ def run_multi(rank: int, world: int, cfg: dict) -> list[dict]:
                 for chunk in chunks:
                     chunk.zero_grad(set_to_none=True)
                 dist.barrier()
-                start = time.perf_counter()
+                start = clock(x.device)
                 record = runner.step(*batch)
-                elapsed = time.perf_counter() - start
+                elapsed = clock(x.device) - start
                 if i >= cfg["warmup"]:
                     records.append({"schedule": name, "m": m, "seconds": elapsed,
                                     "timeline": record.timeline,
@@ -159,9 +158,9 @@ def run_torch(rank: int, world: int, cfg: dict) -> list[dict]:
             kwargs = {"target": x} if placement[-1] == rank else {}
             for i in range(cfg["warmup"] + cfg["repeats"]):
                 dist.barrier()
-                start = time.perf_counter()
+                start = clock(x.device)
                 schedule.step(*args, **kwargs)
-                elapsed = time.perf_counter() - start
+                elapsed = clock(x.device) - start
                 if i >= cfg["warmup"]:
                     records.append({"schedule": f"torch {name}", "m": m, "seconds": elapsed})
     return records

@@ -10,12 +10,11 @@ for each transfer first). Activation bytes per rank fall as 1/cp.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Iterable
 
 from course_lib.backend import default_dist
 from course_lib.context_parallel import ring_attention, split_sequence
-from course_lib.course.bench.common import Figure, median, slowest_rank
+from course_lib.course.bench.common import Figure, clock, median, slowest_rank
 from course_lib.i18n import N_, _
 from course_lib.spawn import spawn
 
@@ -46,7 +45,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         q, k, v = (z.clone().requires_grad_() for z in parts)
         if dist is not None:
             dist.barrier()
-        start = time.perf_counter()
+        start = clock(q.device)
         if world > 1:
             out = ring_attention(q, k, v, causal=True, seq_len=cfg["seq"], dist=dist,
                                  overlap=cfg["overlap"])
@@ -54,7 +53,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
         if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
+            times.append(clock(q.device) - start)
     return {"times": times, "local_seq": parts[0].shape[2]}
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import argparse
-import time
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import Figure, median, slowest_rank
+from course_lib.course.bench.common import Figure, clock, median, slowest_rank
 from course_lib.accumulation import saved_activation_bytes
 from course_lib.backend import default_dist
 from course_lib.tensor_parallel import TensorParallelMLP
@@ -48,10 +47,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     for i in range(cfg["warmup"] + cfg["repeats"]):
         mlp.zero_grad(set_to_none=True)
         barrier()
-        start = time.perf_counter()
+        start = clock(x.device)
         mlp(x).square().mean().backward()
         if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
+            times.append(clock(x.device) - start)
     return {"times": times, "params": sum(p.numel() for p in mlp.parameters()),
             "param_bytes": sum(p.numel() * p.element_size() for p in mlp.parameters()),
             "activation_bytes": saved_activation_bytes(mlp, x)}

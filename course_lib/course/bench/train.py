@@ -17,11 +17,11 @@ tp x pp, with AdamW on 1/dp of the parameters under ZeRO).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
+from course_lib.course.bench.common import (Figure, choose, clock, median, slowest_rank,
+                                           speed_and_state)
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dp_bytes, gpt_flops,
                                               roofline)
 from course_lib.train import TrainConfig
@@ -107,10 +107,10 @@ def measure(names: list[str], args: dict) -> dict:
         for n, run in runs.items():
             x, y = next(run.data)
             tdist.barrier()
-            start = time.perf_counter()
+            start = clock(x.device)
             run.step(x, y)
             if i >= args["warmup"]:
-                times[n].append(time.perf_counter() - start)
+                times[n].append(clock(x.device) - start)
         tdist.barrier()
         for dp, (model, opt, x, y) in local.items():
             fb, adam = _local_step(model, opt, x, y)
@@ -141,12 +141,12 @@ def _local_step(model: Any, opt: Any, x: Any, y: Any) -> tuple[float, float]:
     """Seconds of forward + backward, and of AdamW, with no communication."""
     import torch.nn.functional as F
 
-    t0 = time.perf_counter()
+    t0 = clock(x.device)
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    t1 = time.perf_counter()
+    t1 = clock(x.device)
     opt.step()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, clock(x.device) - t1
 
 
 def _worker(rank: int, world: int, args: dict, names: list[str]) -> dict:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import resource
-import time
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import Figure, choose, median, slowest_rank, speed_and_state
+from course_lib.course.bench.common import (Figure, choose, clock, median, slowest_rank,
+                                           speed_and_state)
 from course_lib import zero
 from course_lib.course.bench.ddp import make_blocks
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dense_flops, dp_bytes,
@@ -122,12 +122,12 @@ def _step(model: Any, opt: Any, x: Any) -> None:
 
 def _local_step(model: Any, opt: Any, x: Any) -> tuple[float, float]:
     """Seconds of forward + backward, and of Adam, of a model no one communicates about."""
-    t0 = time.perf_counter()
+    t0 = clock(x.device)
     opt.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
-    t1 = time.perf_counter()
+    t1 = clock(x.device)
     opt.step()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, clock(x.device) - t1
 
 
 def measure(names: list[str], args: dict, rank: int) -> dict:
@@ -148,10 +148,10 @@ def measure(names: list[str], args: dict, rank: int) -> dict:
     for it in range(args["warmup"] + args["iters"]):
         for n in names:
             tdist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock(x.device)
             _step(*built[n], x)
             if it >= args["warmup"]:
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock(x.device) - t0)
         tdist.barrier()
         fb, adam = _local_step(*local, x)
         if it >= args["warmup"]:
