@@ -63,7 +63,7 @@ def mpi_version() -> str | None:
         from mpi4py import MPI
     except ImportError:
         return None
-    return MPI.Get_library_version().strip().splitlines()[0].strip()
+    return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
 
 
 def metadata() -> dict[str, Any]:
