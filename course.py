@@ -192,9 +192,6 @@ def main(argv: list[str]) -> int:
         # stay on one worker, in order, so a notebook's cells and a module's fixtures stay together.
         workers = () if paths or any(a.startswith("-n") for a in rest) else (
             "-n", "2", "--dist", "loadfile")
-        # One intra-op thread per process, as every engine has: two workers, their kernels and
-        # their clusters share two cores, and torch's default of a thread per core oversubscribes.
-        env.setdefault("OMP_NUM_THREADS", "1")
         code = run(PY, "-m", "pytest", *what, *workers, *rest, env=env)
         minutes, seconds = divmod(round(time.monotonic() - start), 60)
         print(f"course.py test: {minutes} min {seconds} s (budget on 2 cores: 15 min)", flush=True)
