@@ -5,6 +5,7 @@ One grading run covers them all (a kernel start costs ~1-2 s); each test reads i
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 from course_lib.course.notebooks import student_notebook
+from course_lib.processes import end_processes
 from tagged import tagged_processes
 from course_lib.course.grading import batch, cli
 
@@ -250,3 +252,35 @@ def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
                                                             ("a_97_fixture", 1.0)]
     assert len(pids.read_text().split()) == 2  # the kernel and its child had started
     assert tagged_processes(HANG) == []
+
+
+STARTS_A_KERNEL = """
+import os, sys, tempfile
+from pathlib import Path
+import nbformat
+from course_lib.course.grading.kernel_session import KernelSession, kernel_zygote
+work = Path(tempfile.mkdtemp())
+(work / "cwd").mkdir()
+session = KernelSession(nbformat.v4.new_notebook(), work / "cwd")
+session.start(dict(os.environ), work, kernel_zygote())
+print(session.pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
+    """No close(), no atexit: the kernel's keeper sees its grader gone and the namespace ends
+    (a kernel started by `unshare` alone outlived it: its parent poller sees no parent there)."""
+    tag = "COURSE_GRADE_ORPHAN_TEST"
+    grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, tag: "1"})
+    try:
+        kernel = int(grader.stdout.readline())
+        assert psutil.pid_exists(kernel)
+        grader.kill()
+        grader.wait(10)
+        left = psutil.wait_procs(tagged_processes(tag), timeout=15)[1]
+        assert left == [], [p.cmdline() for p in left]
+    finally:
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(tag)], grace=1.0,
+                      reap=False)

@@ -179,9 +179,9 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
     return graded
 
 
-def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str | None = None,
-                     source: Path = SOURCE, env: dict[str, str] | None = None,
-                     forked_from: subprocess.Popen | None = None) -> list[dict]:
+def grade_submission(sub: Submission, *, forked_from: subprocess.Popen,
+                     limits: Limits = Limits(), lesson: str | None = None,
+                     source: Path = SOURCE, env: dict[str, str] | None = None) -> list[dict]:
     """One row per exercise of the submission's lesson (or one row if that cannot be told).
     `source` holds the instructor's notebooks; `forked_from`, the run's kernel zygote.
     Reasons are written in the submission's edition (a Spanish notebook gets Spanish ones)."""
@@ -194,7 +194,7 @@ def grade_submission(sub: Submission, *, limits: Limits = Limits(), lesson: str 
 
 def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
            exercises: list[Exercise], error: str, limits: Limits, source: Path,
-           env: dict[str, str], forked_from: subprocess.Popen | None = None) -> list[dict]:
+           env: dict[str, str], forked_from: subprocess.Popen) -> list[dict]:
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
                 for ex, points, reason in graded]
@@ -224,7 +224,7 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
         session.start(dict(env, **{GRADING_ENV: "1", HOME_ENV: str(work / "home"),
                                    USE_ENV: ",".join(["reference", *(f"{m}=mine" for m in mine)]),
                                    "PYTHONPATH": path, containment.SUBMISSION_ENV: token}),
-                      work, limits, forked_from)
+                      work, forked_from, limits)
         note, fatal = _run_notebook(session, list(nb.cells), limits.notebook_timeout)
         if fatal:
             return rows([(ex, 0.0, changed + fatal) for ex in exercises])
@@ -292,7 +292,6 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
             progress(f"{sub.student} ({sub.path}): {got:g} / {best:g} points "
                      f"[{time.monotonic() - start:.0f}s]")
     finally:
-        if forker:
-            zygote.end(forker)
+        zygote.end(forker)
         ledger.clear()
     return results.rows

@@ -3,13 +3,13 @@ escaped processes found again, and a ledger of the run's token so that a grader 
 leaves nothing running after its next start.
 
 Where Linux allows it (root, or unprivileged user namespaces), the kernel runs as the first
-process of a PID namespace of its own (`unshare --pid --fork --kill-child --mount-proc`):
-everything the submission starts, double-forked daemons that ignore or answer signals
-included, lives in that namespace, and when the kernel ends (or `unshare` is killed) the Linux
-kernel kills every process in it at once. No process of a submission can outlive its grading.
-A run's kernels are forked from its own zygote (`kernel_session.kernel_zygote`: torch imported
-once, no course_lib module), which applies the same limits and enters the same namespace itself
-(`zygote_server._enter_namespace`) before the kernel starts.
+process of a PID namespace of its own, with its own /proc: a run's kernels are forked from its
+own zygote (`kernel_session.kernel_zygote`: torch imported once, no course_lib module), whose
+child enters the namespace as `unshare --pid --fork --kill-child --mount-proc` would
+(`zygote_server._enter_namespace`). Everything the submission starts, double-forked daemons
+that ignore or answer signals included, lives in that namespace; when the kernel ends, or its
+keeper outside the namespace does (at once when the grader is gone, even killed outright), the
+Linux kernel kills every process in it. No process of a submission can outlive its grading.
 Elsewhere the weaker means below are all there is, and `course-grade` says so.
 
 A kernel gets an address-space and a file-size limit (inherited by everything it starts), so
@@ -27,13 +27,11 @@ import ctypes
 import functools
 import json
 import os
-import resource
 import secrets
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -42,19 +40,15 @@ from course_lib.processes import end_processes
 PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = ("--pid", "--fork", "--kill-child", "--mount-proc")
 AS_USER = ("--user", "--map-root-user")  # unprivileged: a user namespace first
-KERNEL_NAME = "course-grade-contained"
 SUBMISSION_ENV = "COURSE_GRADE_SUBMISSION"  # in every process of one submission
 TOKEN_ENV = "COURSE_GRADE_RUN"  # in every kernel's environment: which run started it
 LEDGER = ".course-grade-pids.json"
 
 
-def limits(memory_bytes: int, file_bytes: int) -> Callable[[], None]:
-    """A `preexec_fn` setting a kernel's address-space and file-size limits (no core files)."""
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+def rlimits(memory_bytes: int, file_bytes: int) -> dict[str, int]:
+    """A kernel's resource limits by `resource` name (the zygote sets each, soft and hard):
+    address space, file size, and no core files."""
+    return {"RLIMIT_AS": memory_bytes, "RLIMIT_FSIZE": file_bytes, "RLIMIT_CORE": 0}
 
 
 def adopt_orphans() -> bool:
@@ -126,22 +120,6 @@ def namespace_command() -> tuple[str, ...] | None:
         except (OSError, subprocess.TimeoutExpired):
             continue
     return None
-
-
-def contained_kernel(folder: Path, python: str = sys.executable) -> str | None:
-    """Write a kernel spec under `folder` that starts an IPython kernel in a PID namespace of
-    its own (interrupted by message: a signal would stop at `unshare`); returns its name, or
-    None where no namespace can be made."""
-    command = namespace_command()
-    if command is None:
-        return None
-    spec = {"argv": [*command, python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "course-grade (contained)", "language": "python",
-            "interrupt_mode": "message"}
-    target = Path(folder) / KERNEL_NAME
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "kernel.json").write_text(json.dumps(spec, indent=1))
-    return KERNEL_NAME
 
 
 def marked(token: str, key: str = SUBMISSION_ENV) -> list[psutil.Process]:

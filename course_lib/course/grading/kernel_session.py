@@ -1,5 +1,5 @@
-"""The kernel a submission runs in, on the grader's side: started under memory and file-size
-limits in its scratch folder (in a PID namespace of its own where Linux allows), one cell at a
+"""The kernel a submission runs in, on the grader's side: forked from the run's kernel zygote
+under memory and file-size limits in its scratch folder (in a PID namespace of its own where Linux allows), one cell at a
 time with a timeout, interrupted and probed after one, and ended with everything it started
 (escaped double-forks included: `containment`) by PID."""
 
@@ -42,12 +42,9 @@ class Limits:
     file_size: int = FILE_LIMIT
 
 
-def kernel_zygote() -> subprocess.Popen | None:
+def kernel_zygote() -> subprocess.Popen:
     """A zygote for one run's kernels (its `.socket`), with torch and ipykernel imported once
-    and no course_lib module: nothing of the reference is in what it forks. None where
-    processes cannot fork."""
-    if not hasattr(os, "fork"):
-        return None
+    and no course_lib module: nothing of the reference is in what it forks."""
     env = {k: v for k, v in os.environ.items() if k not in (zygote.SOCKET_ENV, STARTUP_ENV)}
     proc, proc.socket = zygote.start_shared(sys.executable, env)
     return proc
@@ -67,39 +64,24 @@ class KernelSession:
         self._started = 0.0
         self._spare: int | None = None
 
-    def start(self, env: dict[str, str], sockets: Path, limits: Limits = Limits(),
-              forked_from: subprocess.Popen | None = None) -> None:
-        """Start the kernel with `env` under `limits`, in its scratch folder, talking over Unix
-        sockets in the folder `sockets`; in a PID namespace of its own where Linux allows.
-        With `forked_from` (the run's `kernel_zygote`), forked from there inside the same bounds
-        instead of started as a new Python."""
-        from jupyter_client.kernelspec import KernelSpecManager
-
+    def start(self, env: dict[str, str], sockets: Path, forked_from: subprocess.Popen,
+              limits: Limits = Limits()) -> None:
+        """Start the kernel with `env`, forked from the run's `kernel_zygote` under `limits`, in
+        its scratch folder, talking over Unix sockets in the folder `sockets`; in a PID namespace
+        of its own where Linux allows, whose keeper ends it when this process ends."""
         # A submission's engines are forked inside its containment (limits, this subreaper),
         # by its kernel's own zygote, never by a zygote shared with anything else.
         env = {k: v for k, v in env.items() if k != zygote.SOCKET_ENV}
-        preexec = containment.limits(limits.memory, limits.file_size)
-        name = None
-        if forked_from:
-            kernels.use_in_this_process()
-            env[kernels.CONTAIN_ENV] = json.dumps({
-                "socket": forked_from.socket, "namespace": containment.namespace_command() is not None,
-                "limits": {"RLIMIT_AS": limits.memory, "RLIMIT_FSIZE": limits.file_size,
-                           "RLIMIT_CORE": 0}})
-            preexec = None
-            self._spare = forked_from.pid  # our child too, but every kernel's: not this one's
-        else:
-            name = containment.contained_kernel(sockets / "kernels")
-        if name is not None:
-            self.client.kernel_name = name
+        kernels.use_in_this_process()
+        env[kernels.CONTAIN_ENV] = json.dumps({
+            "socket": forked_from.socket, "namespace": containment.namespace_command() is not None,
+            "limits": containment.rlimits(limits.memory, limits.file_size)})
+        self._spare = forked_from.pid  # our child too, but every kernel's: not this one's
         self.client.km = self.client.create_kernel_manager()
-        if name is not None:
-            self.client.km.kernel_spec_manager = KernelSpecManager(
-                kernel_dirs=[str(sockets / "kernels")])
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
         self._started = time.time() - 1.0  # create_time is rounded; a second of slack
-        self.client.start_new_kernel(env=env, cwd=str(self.cwd), preexec_fn=preexec)
+        self.client.start_new_kernel(env=env, cwd=str(self.cwd))
         self.pid = self.client.km.provisioner.pid
         self._note()
         # Keep noting the kernel's descendants: if the kernel dies, they are re-parented to us.
