@@ -33,7 +33,7 @@ from course_lib.clip_norm import Held, total_norm
 from course_lib.sharded_state import units_of
 from course_lib.tp_layers import ParallelLinear
 
-__all__ = ["Held", "clip_grad_norm_", "clip_grads_", "shard_grads", "tp_duplicates"]
+__all__ = ["Held", "clip_grad_norm_", "clip_grads_", "shard_grads", "tp_duplicates", "tp_sharded"]
 
 
 def clip_grads_(grads: Iterable[torch.Tensor | Held], max_norm: float, norm_type: float = 2.0,
@@ -77,35 +77,65 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                        groups=groups, dist=dist)
 
 
-def _held(grad: torch.Tensor, layout: Any, rank: int) -> Held:
-    """A shard's gradient, whose first elements are the model's and the rest the flat buffer's
-    padding."""
-    return Held(grad, max(0, min(layout.shard_numel, layout.numel - rank * layout.shard_numel)))
+def _pieces(grad: torch.Tensor, layout: Any, rank: int, counted: Sequence[bool]) -> list[Held]:
+    """A shard's gradient cut where its parameters' `counted` changes, each piece a view (scaling
+    it scales the shard); the flat buffer's padding, past the model's last element, left out."""
+    start, stop = rank * layout.shard_numel, (rank + 1) * layout.shard_numel
+    ranges: list[list] = []  # [lo, hi, counted]: consecutive parameters are adjacent
+    for offset, numel, count in zip(layout.offsets, layout.numels, counted):
+        lo, hi = max(offset, start), min(offset + numel, stop)
+        if lo >= hi:
+            continue
+        if ranges and ranges[-1][2] == count:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi, count])
+    return [Held(grad[lo - start:hi - start], hi - lo, count) for lo, hi, count in ranges]
 
 
-def shard_grads(sharded: Any) -> list[Held]:
-    """This rank's gradient shards, each with the number of its elements that are the model's
-    (`Held`: scaling them scales the shards), of a `ZeroRedundancyOptimizer` (stages 1 and 2:
-    its buckets' shards, after `step`'s reduction, i.e. after backward) or a module wrapped by
-    `fully_shard` (ZeRO-3)."""
+def tp_sharded(module: nn.Module, name: str) -> bool:
+    """Whether `module`'s parameter `name` is split over the TP group (a column-parallel weight
+    or bias, a row-parallel weight); every other parameter is replicated: each rank holds it
+    whole."""
+    return isinstance(module, ParallelLinear) and (
+        name == "weight" or name == "bias" and module.dim == 0)
+
+
+def shard_grads(sharded: Any, *, tp_rank: int = 0, model: nn.Module | None = None) -> list[Held]:
+    """This rank's gradient shards, as views that hold the model's elements only (`Held`:
+    scaling them scales the shards), of a `ZeroRedundancyOptimizer` (stages 1 and 2: its
+    buckets' shards, after `step`'s reduction, i.e. after backward) or a module wrapped by
+    `fully_shard` (ZeRO-3). On a TP rank other than the first (`tp_rank`), the elements of
+    replicated parameters are held but not counted: the first TP rank counts them; ZeRO-1/2
+    find which parameters those are in `model`."""
+    def counted(module: nn.Module, name: str) -> bool:
+        return tp_rank == 0 or tp_sharded(module, name)
+
     if hasattr(sharded, "buckets"):  # ZeroRedundancyOptimizer
-        return [_held(b.shard.grad, b.layout, sharded.rank) for b in sharded.buckets
-                if b.shard.grad is not None]
-    return [_held(flat.shard.grad, flat.layout, unit.rank) for unit in units_of(sharded)
-            for flat in unit.flats if flat.shard.grad is not None]
+        if tp_rank and model is None:
+            raise ValueError("shard_grads: with tp_rank > 0, pass the model whose parameters "
+                             "the optimizer holds (which of them are replicated)")
+        owners = {id(p): (m, n) for m in (model.modules() if tp_rank else ())
+                  for n, p in m.named_parameters(recurse=False)}
+        return [h for b in sharded.buckets if b.shard.grad is not None
+                for h in _pieces(b.shard.grad, b.layout, sharded.rank,
+                                 [not tp_rank or counted(*owners[id(p)]) for p in b.params])]
+    held = []
+    for unit in units_of(sharded):
+        for flat in unit.flats:
+            if flat.shard.grad is None:
+                continue
+            where = {i: (m, n) for m, n, i in flat.entries}
+            held += _pieces(flat.shard.grad, flat.layout, unit.rank,
+                            [counted(*where[i]) for i in range(len(flat.layout.numels))])
+    return held
 
 
 def tp_duplicates(module: nn.Module, *, dist: Any = None, group: Any = None) -> list[nn.Parameter]:
     """The parameters of `module` that every rank of the TP `group` holds whole (all but the
     column-parallel weights and biases and the row-parallel weights), on every rank of the
     group but its first: the ones that rank's norm leaves out."""
-    d = default_dist(dist)
-    if d.get_rank(group) == 0:
+    if default_dist(dist).get_rank(group) == 0:
         return []
-    sharded = set()
-    for m in module.modules():
-        if isinstance(m, ParallelLinear):
-            sharded.add(id(m.weight))
-            if m.dim == 0 and m.bias is not None:
-                sharded.add(id(m.bias))
-    return [p for p in module.parameters() if id(p) not in sharded]
+    return [p for m in module.modules() for n, p in m.named_parameters(recurse=False)
+            if not tp_sharded(m, n)]

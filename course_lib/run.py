@@ -80,14 +80,16 @@ def clip_grads(run: Any) -> None:
     """Before each step (`cfg.clip_grad_norm`), once the gradients are reduced: the whole
     model's gradient norm, each element counted once (summed over tp and pp; the TP replicas'
     and the tied head's copies skipped; with ZeRO, each rank's real elements of its gradient
-    shards, summed over the dp x cp ranks that share them), and every rank's gradients scaled by
-    the same factor (`course_lib.clip`)."""
+    shards, summed over the dp x cp ranks that share them, the replicated parameters' elements
+    counted on tp rank 0 only), and every rank's gradients scaled by the same factor
+    (`course_lib.clip`)."""
     lay = run.layout
     groups = [lay.group(axis) for axis in ("tp", "pp") if getattr(lay, axis) > 1]
-    if run.cfg.zero:  # tp = 1, pp = 1 (check_config)
+    if run.cfg.zero:  # pp = 1 (check_config)
         held = run.optimizer if run.cfg.zero == 1 else run.stage
-        clip.clip_grads_(clip.shard_grads(held), run.cfg.clip_grad_norm,
-                         groups=[*groups, lay.group("dp_cp")], dist=run.dist)
+        clip.clip_grads_(clip.shard_grads(held, tp_rank=lay.coords["tp"], model=run.stage),
+                         run.cfg.clip_grad_norm, groups=[*groups, lay.group("dp_cp")],
+                         dist=run.dist)
         return
     copies = (clip.tp_duplicates(run.stage, dist=run.dist, group=lay.group("tp"))
               if lay.tp > 1 else [])
@@ -111,7 +113,9 @@ class RunBase:
                                      dist=self.dist)
         self.tied_group = tied_groups(self.layout)
         c = self.layout.coords
-        seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"], pp_rank=c["pp"])  # dropout's
+        # dropout's streams: a cp rank holds other positions, so draws apart, as a dp rank does
+        seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"] * cfg.cp + c["cp"],
+                     pp_rank=c["pp"])
         text = load_text(cfg.text)
         self.tokenizer = CharTokenizer(text)
         train_ids, self.val_ids = split_text(self.tokenizer.encode(text), cfg.val_fraction)

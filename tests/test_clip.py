@@ -52,13 +52,14 @@ def _close(a: torch.Tensor | float, b: torch.Tensor | float) -> bool:
     return bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL))
 
 
-def _train(model, opt, rank, world, clip, split=True):
-    """3 steps on this rank's part of the batch (all of it when `split` is False)."""
+def _train(model, opt, rank, world, clip, split=True, dp=None):
+    """3 steps on this rank's part of the batch (all of it when `split` is False; the rows of
+    data-parallel rank `rank` of `dp` when `dp` is given)."""
     norms = []
     for step in range(STEPS):
         x, y = _batch(step, world)
         if split:
-            x, y = x[rank::world], y[rank::world]
+            x, y = x[rank::dp or world], y[rank::dp or world]
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         norms.append(float(clip()))
@@ -160,6 +161,56 @@ def _layouts(rank: int, world: int) -> dict[str, bool]:
             mine_ref = list(ref[rank].parameters())
             out[f"pp.{p}"] = _close(norms, ref_norms) and all(
                 _close(a, b) for a, b in zip(mine.parameters(), mine_ref))
+        if world == 4:
+            out.update(_zero_with_tp(rank, p, ref_norms, ref))
+    return out
+
+
+def _zero_with_tp(rank: int, p: float, ref_norms: list[float], ref: nn.Sequential) -> dict:
+    """dp=2 x tp=2: ZeRO-2 and ZeRO-3 shard each TP rank's part of the MLP over dp; a shard
+    holds sharded and replicated parameters side by side, and the replicated ones (fc2's bias)
+    count on TP rank 0 only."""
+    from course_lib import zero
+    from course_lib.dist import new_group
+    from course_lib.sharded_state import full_state_dict
+    from course_lib.tensor_parallel import TensorParallelMLP, shard
+
+    d, t = divmod(rank, 2)
+    tp_groups = [new_group([2 * i, 2 * i + 1]) for i in range(2)]
+    dp_groups = [new_group([i, i + 2]) for i in range(2)]
+    tp_g, dp_g = tp_groups[d], dp_groups[t]
+    want = [shard(ref[0].weight, 0, t, 2), shard(ref[0].bias, 0, t, 2),
+            shard(ref[2].weight, 1, t, 2), ref[2].bias]
+    out = {}
+
+    def mlp() -> nn.Module:
+        net = _net()
+        return TensorParallelMLP.from_linears(net[0], net[2], activation=torch.tanh,
+                                              group=tp_g)
+
+    for wrong in (False, True) if p == 2.0 else (False,):  # wrong: tp_rank 0 everywhere,
+        tp_rank = 0 if wrong else t                          # fc2's bias counted twice
+        model = mlp()
+        opt = zero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=LR,
+                                           group=dp_g)
+        norms = _train(model, opt, d, 4, lambda: clip_grads_(
+            shard_grads(opt, tp_rank=tp_rank, model=model), MAX_NORM, p,
+            groups=[dp_g, tp_g]), dp=2)
+        if wrong:
+            out["wrong.zero_replicated_counted_tp_times_differs"] = not _close(norms, ref_norms)
+        else:
+            out[f"zero2+tp.{p}"] = _close(norms, ref_norms) and all(
+                _close(a, b) for a, b in zip(model.parameters(), want))
+
+    model = mlp()
+    zero.fully_shard(model, group=dp_g)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = _train(model, opt, d, 4, lambda: clip_grads_(
+        shard_grads(model, tp_rank=t), MAX_NORM, p, groups=[dp_g, tp_g]), dp=2)
+    full = full_state_dict(model, rank0_only=False)
+    names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    out[f"zero3+tp.{p}"] = _close(norms, ref_norms) and all(
+        _close(full[n], w) for n, w in zip(names, want))
     return out
 
 
@@ -168,7 +219,7 @@ def test_clipping_on_every_layout_equals_one_process(world, backend):
     for rank, facts in enumerate(spawn(_layouts, world, backend=backend, timeout=120)):
         bad = [k for k, ok in facts.items() if not ok]
         assert not bad, f"rank {rank} of {world} ({backend}): {bad}"
-        assert len(facts) >= 3 * 4 + 2 + 3 + 3 * (world == 3)
+        assert len(facts) >= 3 * 4 + 2 + 3 + 3 * (world == 3) + 7 * (world == 4)
 
 
 def test_no_group_is_torchs_clip_grad_norm():

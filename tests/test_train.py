@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from course_lib.gpt import GPT, Block, GPTConfig, set_activation_checkpointing
 from course_lib.moe import MoE
-from course_lib.rng import REPLICATED, RNGStatesTracker, seed_streams
+from course_lib.context_parallel import pad_sequence, zigzag_split
+from course_lib.rng import REPLICATED, SHARDED, RNGStatesTracker, seed_streams
 from course_lib.accumulation import saved_activation_bytes
 from course_lib.spawn import spawn
 from course_lib.train import (DynamicLossScaler, Run, TrainConfig, check_config, reference_losses,
@@ -66,19 +67,22 @@ def run_layouts(rank: int, world: int, cfgs: dict) -> dict:
 # Correct at scale (issue 46): dropout, the loss per real token and gradient clipping together.
 AT_SCALE = dataclasses.replace(SGD, steps=3, dropout=0.2, token_weighted=True, clip_grad_norm=0.3)
 SCALE_LAYOUTS = {"(2,2,1) dropout, per token, clipped": dict(dp=2, tp=2),
-                 "(2,1,2) dropout, per token, clipped": dict(dp=2, pp=2)}
+                 "(2,1,2) dropout, per token, clipped": dict(dp=2, pp=2),
+                 "(1,2,1) cp=2, SP, dropout, per token, clipped": dict(cp=2, tp=2, sp=True,
+                                                                       block_size=10)}
 
 # Long sequences (issue 48): context parallelism (each sequence in zigzag parts, ring attention)
 # and sequence parallelism (the norm regions split over tp); ZeRO with clipping (issue 46): each
-# rank's real elements of its gradient shards, summed over the ranks that share them. Three SGD
+# rank's real elements of its gradient shards, summed over the ranks that share them, the
+# replicated parameters' elements counted on tp rank 0 only. Three SGD
 # steps each; one process with the same clipping of the whole gradient is the reference.
 LONG = dataclasses.replace(SGD, steps=3)
 LONG_LAYOUTS = {"(2,1,1) cp=2": dict(dp=2, cp=2),  # 4 ranks
                 "(1,2,1) cp=2, SP, block 10": dict(cp=2, tp=2, sp=True, block_size=10),
                 "cp=2": dict(cp=2),  # 2 ranks from here
                 "tp=2, SP": dict(tp=2, sp=True),
-                "(2,1,1) ZeRO-1, clipped": dict(dp=2, zero=1, clip_grad_norm=0.3),
-                "(2,1,1) ZeRO-3, clipped": dict(dp=2, zero=3, clip_grad_norm=0.3)}
+                "(2,2,1) ZeRO-1, clipped": dict(dp=2, tp=2, zero=1, clip_grad_norm=0.3),
+                "(2,2,1) ZeRO-3, clipped": dict(dp=2, tp=2, zero=3, clip_grad_norm=0.3)}
 
 
 def long_world(kw: dict) -> int:
@@ -229,13 +233,13 @@ def test_activation_checkpointing_changes_nothing_but_memory():
     (dict(dp=2, tp=2, stack="torch"), "stack='torch' with tp=2 composes DTensor's TP with FSDP2 "
                                       "over dp=2: it needs zero=3 (got zero=0)"),
     (dict(dp=1, tp=2, pp=2, stack="torch"), "runs tp > 1 or pp > 1, not both (got tp=2, pp=2)"),
-    (dict(dp=2, tp=2, zero=1, clip_grad_norm=1.0), "clip_grad_norm=1.0 (zero=1, tp=2)"),
+    (dict(dp=2, tp=2, zero=1, clip_grad_norm=0.0), "clip_grad_norm=0.0: choose a positive norm"),
     (dict(dp=2, cp=2, tp=2), "dp=2 x cp=2 x tp=2 x pp=1 = 8, but the world has 4"),
     (dict(dp=4, sp=True), "sp=True splits the tensor-parallel regions' norms: it needs tp > 1"),
     (dict(cp=2, pp=2), "cp=2 with pp=2"),
     (dict(dp=2, tp=2, sp=True, zero=1), "sp=True with zero=1"),
     (dict(dp=2, cp=2, sample=10), "cp=2: sampling needs every position"),
-    (dict(dp=2, cp=2, dropout=0.1), "cp=2: the course's stack, without dropout"),
+    (dict(dp=2, cp=2, stack="torch"), "cp=2: the course's stack"),
     (dict(dp=4, dropout=1.0), "dropout=1.0: choose a probability in [0, 1)"),
 ])
 def test_bad_layout_is_named_before_anything_runs(kw, named):
@@ -284,16 +288,18 @@ def test_sampling_is_the_same_on_tensor_parallel_ranks(results):
 
 class OwnersMasks(Run):
     """One process whose every dropout mask is drawn from the stream of the rank of `layout`
-    that owns it: dp rank d's rows (x[d::dp]), tp rank t's slice of a sharded activation (its
-    heads, its hidden units), stage p's blocks; micro-batch by micro-batch, in each rank's order.
-    The loss is the step's per-token mean, summed micro-batch by micro-batch."""
+    that owns it: dp rank d's rows (x[d::dp]), cp rank c's zigzag part of each padded sequence
+    (its streams those of dp coordinate d * cp + c), tp rank t's slice of a sharded activation
+    (its heads, its hidden units) and, with SP, its slice of the cp part along the sequence,
+    stage p's blocks; micro-batch by micro-batch, in each rank's order. The loss is the step's
+    per-token mean, summed micro-batch by micro-batch."""
 
     def __init__(self, cfg: TrainConfig, dist, layout: TrainConfig):
         super().__init__(cfg, dist)
         self.lay, self.dp_rank = layout, 0
         self.streams = {(d, t, p): seed_streams(cfg.seed, tp_rank=t, dp_rank=d, pp_rank=p,
                                                 tracker=RNGStatesTracker())
-                        for d in range(layout.dp) for t in range(layout.tp)
+                        for d in range(layout.dp * layout.cp) for t in range(layout.tp)
                         for p in range(layout.pp)}
         blocks = [m for m in self.model if isinstance(m, Block)]
         per = len(blocks) // layout.pp
@@ -301,17 +307,36 @@ class OwnersMasks(Run):
             for m in (block.attn, block.mlp):
                 m._drop = functools.partial(self._owners_drop, m, i // per)
 
+    def _parts(self, t: int) -> list[tuple[int, torch.Tensor]]:
+        """(cp rank, its positions in the padded sequence, in its order) for sequences of t."""
+        cp, sp_tp = self.lay.cp, self.lay.tp if self.lay.sp else 1
+        multiple = (2 * cp if cp > 1 else 1) * sp_tp
+        whole = torch.arange(-(-t // multiple) * multiple)[None]
+        return [(c, zigzag_split(whole, cp, c)[0] if cp > 1 else whole[0]) for c in range(cp)]
+
     def _owners_drop(self, module, stage: int, x: torch.Tensor, stream: str) -> torch.Tensor:
         if not (module.training and module.dropout):
             return x
+        lay, t = self.lay, x.shape[1]
 
-        def draw(part: torch.Tensor, tp_rank: int) -> torch.Tensor:
-            with self.streams[(self.dp_rank, tp_rank, stage)].fork(stream):
+        def draw(part: torch.Tensor, c: int, tp_rank: int, name: str) -> torch.Tensor:
+            with self.streams[(self.dp_rank * lay.cp + c, tp_rank, stage)].fork(name):
                 return F.dropout(part.contiguous(), module.dropout, training=True)
 
-        if stream == REPLICATED:
-            return draw(x, 0)
-        return torch.cat([draw(part, t) for t, part in enumerate(x.chunk(self.lay.tp, -1))], -1)
+        parts = self._parts(t)
+        padded = pad_sequence(x, len(parts[0][1]) * lay.cp, 1)
+        out = torch.empty_like(padded)
+        for c, where in parts:
+            mine = padded[:, where]
+            if stream != REPLICATED:  # a sharded activation: tp rank r's features
+                out[:, where] = torch.cat([draw(f, c, r, stream) for r, f in
+                                           enumerate(mine.chunk(lay.tp, -1))], -1)
+            elif lay.sp:  # the block's output, split along the sequence: each tp rank's own
+                for r, w in enumerate(where.chunk(lay.tp)):
+                    out[:, w] = draw(padded[:, w], c, r, SHARDED)
+            else:
+                out[:, where] = draw(mine, c, 0, REPLICATED)
+        return out[:, :t]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         dp, total = self.lay.dp, torch.zeros(())
