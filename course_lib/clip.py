@@ -30,6 +30,7 @@ from torch import nn
 
 from course_lib.backend import default_dist
 from course_lib.clip_norm import Held, total_norm
+from course_lib.i18n import _
 from course_lib.sharded_state import units_of
 from course_lib.tp_layers import ParallelLinear
 
@@ -113,8 +114,8 @@ def shard_grads(sharded: Any, *, tp_rank: int = 0, model: nn.Module | None = Non
 
     if hasattr(sharded, "buckets"):  # ZeroRedundancyOptimizer
         if tp_rank and model is None:
-            raise ValueError("shard_grads: with tp_rank > 0, pass the model whose parameters "
-                             "the optimizer holds (which of them are replicated)")
+            raise ValueError(_("shard_grads: with tp_rank > 0, pass the model whose "
+                               "parameters the optimizer holds (which of them are replicated)"))
         owners = {id(p): (m, n) for m in (model.modules() if tp_rank else ())
                   for n, p in m.named_parameters(recurse=False)}
         return [h for b in sharded.buckets if b.shard.grad is not None

@@ -113,9 +113,8 @@ class RunBase:
                                      dist=self.dist)
         self.tied_group = tied_groups(self.layout)
         c = self.layout.coords
-        # dropout's streams: a cp rank holds other positions, so draws apart, as a dp rank does
-        seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"] * cfg.cp + c["cp"],
-                     pp_rank=c["pp"])
+        seed_streams(cfg.seed, tp_rank=c["tp"], dp_rank=c["dp"] * cfg.cp + c["cp"],  # dropout's:
+                     pp_rank=c["pp"])  # a cp rank holds other positions, as a dp rank does
         text = load_text(cfg.text)
         self.tokenizer = CharTokenizer(text)
         train_ids, self.val_ids = split_text(self.tokenizer.encode(text), cfg.val_fraction)
@@ -123,17 +122,15 @@ class RunBase:
         self.data = batches(dataset, cfg.batch_size // cfg.dp, cfg.dp, c["dp"], cfg.seed)
         torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its part
         self.model = GPT(cfg.model_config(self.tokenizer.vocab_size))
-        # Drawn on the CPU (the same numbers on every device), moved before any wrapper.
-        self.model.to(self.device)
+        self.model.to(self.device)  # drawn on the CPU (the same on every device), then moved
         set_activation_checkpointing(self.model, cfg.checkpoint_activations)
         for m in self.model.modules():  # this rank's experts, the others through all_to_all
             if isinstance(m, moe.MoE) and cfg.ep > 1:
                 moe.expert_parallel(m, dist=self.dist, group=self.layout.group("ep"))
-        self.split = None  # with cp > 1 or sp: how this rank holds each sequence
-        if cfg.cp > 1 or cfg.sp:
-            self.split = parallelize_sequence(
-                self.model, dist=self.dist, sp=cfg.sp, tp_group=self.layout.group("tp"),
-                cp_group=self.layout.group("cp") if cfg.cp > 1 else None)
+        cp_group = self.layout.group("cp") if cfg.cp > 1 else None
+        self.split = parallelize_sequence(  # this rank's part of each sequence (cp > 1 or sp)
+            self.model, dist=self.dist, sp=cfg.sp, tp_group=self.layout.group("tp"),
+            cp_group=cp_group) if cfg.cp > 1 or cfg.sp else None
         if cfg.tp > 1 and cfg.stack == "course":  # torch's TP: wrap_torch
             parallelize_blocks(self.model, dist=self.dist, group=self.layout.group("tp"),
                                sequence_parallel=cfg.sp)

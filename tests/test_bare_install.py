@@ -4,7 +4,9 @@ equal to one process, and never imports the course's machinery."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +20,30 @@ SCRIPT = Path(__file__).parent / "fixtures" / "bare" / "ddp_two_ranks.py"
 COURSE_ONLY = ("jupyterlab", "nbformat", "nbclient", "matplotlib", "nbval", "pytest")
 
 
+def _link_torch(site: Path) -> None:
+    """Install the suite's own torch into `site` as hard links of its installed files (the
+    same wheel's files, its RECORD included, so pip sees it installed): unpacking it again
+    would be most of this test's time. pip still resolves everything else the package needs."""
+    dist = importlib.metadata.distribution("torch")
+    for file in dist.files:
+        if file.parts[0] == "..":  # console scripts: not the package's
+            continue
+        src, dst = Path(dist.locate_file(file)), site / file
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:  # another filesystem: a copy
+            shutil.copy2(src, dst)
+
+
 @pytest.fixture(scope="module")
 def bare_python(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("bare") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
+                           "'purelib'))"], capture_output=True, text=True, check=True).stdout
+    _link_torch(Path(site.strip()))
     done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c",
                            str(ROOT / "constraints.txt"), str(ROOT)],
                           capture_output=True, text=True, timeout=900)
