@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +22,44 @@ SCRIPT = Path(__file__).parent / "fixtures" / "bare" / "ddp_two_ranks.py"
 COURSE_ONLY = ("jupyterlab", "nbformat", "nbclient", "matplotlib", "nbval", "pytest")
 
 
-def _link_torch(site: Path) -> None:
-    """Install the suite's own torch into `site` as hard links of its installed files (the
-    same wheel's files, its RECORD included, so pip sees it installed): unpacking it again
-    would be most of this test's time. pip still resolves everything else the package needs."""
-    dist = importlib.metadata.distribution("torch")
-    for file in dist.files:
-        if file.parts[0] == "..":  # console scripts: not the package's
-            continue
-        src, dst = Path(dist.locate_file(file)), site / file
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, dst)
-        except OSError:  # another filesystem: a copy
-            shutil.copy2(src, dst)
+def _requirements(name: str = "course_lib") -> set[str]:
+    """The installed distributions that `name` needs without extras, recursively (with the
+    extras each requirement asks of its own dependency), as this environment resolved them."""
+    found, todo = set(), [(name, ("",))]
+    while todo:
+        dist_name, extras = todo.pop()
+        dist = importlib.metadata.distribution(dist_name)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras):
+                continue
+            key = canonicalize_name(req.name)
+            if key not in found:
+                found.add(key)
+                todo.append((req.name, ("", *req.extras)))
+    return found
+
+
+def _link_installed(site: Path, names: set[str]) -> None:
+    """Install these distributions into `site` as hard links of this environment's installed
+    files (their RECORD included, so pip sees them installed): unpacking torch and the rest
+    again would be most of this test's time. pip still resolves the package's requirements
+    against them, so a course-only requirement would still be installed and caught."""
+    present = {canonicalize_name(d.metadata["Name"])
+               for d in importlib.metadata.distributions(path=[str(site)])}
+    for name in names - present:  # the new venv's own pip and setuptools: pip's to upgrade
+        dist = importlib.metadata.distribution(name)
+        for file in dist.files or []:
+            if file.parts[0] == "..":  # console scripts: not needed here
+                continue
+            src, dst = Path(dist.locate_file(file)), site / file
+            if not src.is_file():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:  # another filesystem: a copy
+                shutil.copy2(src, dst)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +69,7 @@ def bare_python(tmp_path_factory) -> Path:
     python = venv / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
                            "'purelib'))"], capture_output=True, text=True, check=True).stdout
-    _link_torch(Path(site.strip()))
+    _link_installed(Path(site.strip()), _requirements())
     done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c",
                            str(ROOT / "constraints.txt"), str(ROOT)],
                           capture_output=True, text=True, timeout=900)
