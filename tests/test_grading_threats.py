@@ -1,6 +1,6 @@
 """course-grade against a determined student: each attack below was written for this test, one
-per class of the instructors' threat model (docs/instructors.md). One run grades them all next
-to honest submissions, which must keep full points.
+per class of the instructors' threat model (docs/instructors.md). One run grades them all, then
+an honest submission, which must keep full points.
 
 - forged outcomes: the answer asks the grading code for the expected values and returns them;
 - the reference within reach: the answer calls the package's own implementation;
@@ -39,12 +39,6 @@ def shard_sum(rank, world_size, n):
     ex = get_exercise("lesson00.shard_sum")
     case = next(c for c in ex.cases if tuple(c.args[2:]) == (world_size, n))
     return judge.expected(ex, case, rank, ex.world_size)
-'''
-HONEST_00 = '''
-def shard_sum(rank, world_size, n):
-    size, extra = divmod(n, world_size)
-    start = rank * size + min(rank, extra)
-    return sum(range(start, start + size + (rank < extra)))
 '''
 # lesson 03: the sampler's shard of the dataset; the borrower calls course_lib.data's own
 BORROWER = '''
@@ -109,7 +103,6 @@ def run(tmp_path_factory):
         "{evidence!r}", repr(str(evidence / who)))
     lesson00 = ROOT / "notebooks" / "00_cluster.ipynb"
     _submission(lesson00, "shard_sum", FORGER, subs, "forger")
-    _submission(lesson00, "shard_sum", HONEST_00, subs, "honest_00")
     lesson03 = next((ROOT / "notebooks").glob("03*.ipynb"))
     _submission(lesson03, "shard_indices", BORROWER, subs, "borrower")
     _submission(FIXTURES / "96_cheats.ipynb", "scale", fill(PHOENIX + WRONG_96, "phoenix"), subs,
@@ -149,8 +142,9 @@ def _best(run, student: str) -> float:
 
 
 def test_honest_submissions_keep_full_points(run):
-    for student in ("honest_00", "zz_honest_96"):
-        assert _points(run, student) == _best(run, student) > 0, run["rows"]
+    """Graded after the attacks, in the same run. (A real lesson's honest submission scoring
+    full points is tests/test_nbgrader.py's.)"""
+    assert _points(run, "zz_honest_96") == _best(run, "zz_honest_96") > 0, run["rows"]
 
 
 def test_a_forged_outcome_scores_nothing(run):
