@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     # Lesson 11c's run that learns takes minutes for a learner; under nbval, a few steps (its
     # outputs that depend on the length are not compared).
-    os.environ.setdefault("COURSE_LIB_CAPSTONE_STEPS", "9")
+    os.environ.setdefault("COURSE_LIB_CAPSTONE_STEPS", "6")
     # The learner's overlay (course_lib.course.overlay) of this process and its children: empty, and
     # never the developer's own ~/.course_lib.
     if not os.environ.get("COURSE_LIB_HOME", "").startswith(tempfile.gettempdir()):

@@ -55,11 +55,12 @@ def ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
     kwargs = dict(n=n, engines=engines, log_level=logging.ERROR,
                   cluster_id=f"course-{uuid.uuid4().hex[:8]}", shutdown_atexit=True,
-                  # An engine counts as registered at its first heartbeat: at ipyparallel's
-                  # 3 s period that is most of a start; at 1 s, with 3x the misses allowed,
-                  # a start is 3 s shorter and a silent engine is still given 30 s.
-                  controller_args=["--HeartMonitor.period=1000",
-                                   "--HeartMonitor.max_heartmonitor_misses=30"])
+                  # An engine counts as registered at its first heartbeats: at ipyparallel's
+                  # 3 s period that is most of a start; at 0.25 s (an echo the engine's zmq
+                  # thread answers), a start takes 2 s instead of 5, and with 120 misses
+                  # allowed a silent engine is still given 30 s.
+                  controller_args=["--HeartMonitor.period=250",
+                                   "--HeartMonitor.max_heartmonitor_misses=120"])
     if engines == "local":  # forked from the zygote, as the engines are
         # launchers subclasses ipyparallel's launchers: imported when a cluster starts
         from course_lib.cluster.launchers import ForkedControllerLauncher
