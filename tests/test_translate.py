@@ -26,17 +26,34 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def code_tokens(source: str) -> list[tuple[int, str]]:
-    """The cell's code as tokens, comments left out and the text of print("...") blanked:
-    what a translation may change."""
+def code_tokens(source: str, texts: frozenset[int] = frozenset()) -> list[tuple[int, str]]:
+    """The cell's code as tokens, comments left out, and the string tokens at the indices
+    `texts` (the English's learner-facing literals) reduced to their prefix and fields:
+    what a translation may change is the rest of its text."""
     out: list[tuple[int, str]] = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    for tok in tokenize.generate_tokens(io.StringIO(translate.code_of(source)).readline):
         if tok.type in (tokenize.COMMENT, tokenize.NL):
             continue
-        printed = (tok.type == tokenize.STRING and len(out) >= 2
-                   and out[-2] == (tokenize.NAME, "print") and out[-1] == (tokenize.OP, "("))
-        out.append((tok.type, "<printed>" if printed else tok.string))
+        text = tok.string
+        if tok.type == tokenize.STRING and len(out) in texts:
+            text = re.match(r"[A-Za-z]*", text).group() + "".join(re.findall(r"\{[^{}]*\}", text))
+        out.append((tok.type, text))
     return out
+
+
+def _literal_tokens(source: str) -> frozenset[int]:
+    """The indices, among the code tokens, of the string tokens that are learner-facing."""
+    # docstrings too: a student notebook's stub has lost the markers that tell a stub
+    starts = {(p.where[0], p.where[2]) for p in translate._literals(source, docstrings=True)}
+    found, index = set(), 0
+    for tok in tokenize.generate_tokens(io.StringIO(translate.code_of(source)).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        if tok.type == tokenize.STRING and any(
+                r == tok.start[0] and tok.start[1] < c <= tok.start[1] + 5 for r, c in starts):
+            found.add(index)
+        index += 1
+    return frozenset(found)
 
 
 def assert_same_code(english: nbformat.NotebookNode, other: nbformat.NotebookNode) -> None:
@@ -44,7 +61,8 @@ def assert_same_code(english: nbformat.NotebookNode, other: nbformat.NotebookNod
            [(c.cell_type, c.get("id")) for c in english.cells]
     for en, es in zip(english.cells, other.cells):
         if en.cell_type == "code":
-            assert code_tokens(es.source) == code_tokens(en.source), en.get("id")
+            texts = _literal_tokens(en.source)
+            assert code_tokens(es.source, texts) == code_tokens(en.source, texts), en.get("id")
 
 
 def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
@@ -69,6 +87,47 @@ def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
         '#| export\n# NBVAL_IGNORE_OUTPUT\n')
     assert out.metadata["course_lib"]["lang"] == "es"
     assert_same_code(nb, out)
+
+
+def test_fstrings_labels_errors_and_stub_docstrings_keep_their_fields(tmp_path: Path):
+    source = ('def f(x):\n    """Sum the shard."""\n    ### BEGIN SOLUTION\n    return x\n'
+              '    ### END SOLUTION\nprint(f"rank {r}: {t:.2f} ms", "done")\n'
+              'ax.set(xlabel="bytes", title=f"{n} ranks")\nraise ValueError(f"bad {x!r}")\n'
+              'print(f"{a} {b}", rb"raw bytes")\n')
+    cell = nbformat.v4.new_code_cell(source, id="c2")
+    found = [(p.kind, p.text) for p in translate.pieces(cell)]
+    assert found == [("docstring", "Sum the shard."), ("printed", "rank {r}: {t:.2f} ms"),
+                     ("printed", "done"), ("label", "bytes"), ("label", "{n} ranks"),
+                     ("error", "bad {x!r}")]
+    po = polib.POFile()
+    for english, spanish in [("Sum the shard.", "Suma el fragmento."),
+                             ("rank {r}: {t:.2f} ms", 'rank {r}: {t:.2f} ms "medidos"'),
+                             ("done", "hecho"), ("bytes", "bytes enviados"),
+                             ("{n} ranks", "{n} ranks en total"), ("bad {x!r}", "{x!r} no vale")]:
+        po.append(polib.POEntry(msgctxt="c2", msgid=english, msgstr=spanish))
+    po.save(str(tmp_path / "x.po"))
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    out = translate.translated(nb, tmp_path / "x.po", "es")
+    assert out.cells[0].source == (
+        'def f(x):\n    """Suma el fragmento."""\n    ### BEGIN SOLUTION\n    return x\n'
+        '    ### END SOLUTION\nprint(f"rank {r}: {t:.2f} ms \\"medidos\\"", "hecho")\n'
+        'ax.set(xlabel="bytes enviados", title=f"{n} ranks en total")\n'
+        'raise ValueError(f"{x!r} no vale")\nprint(f"{a} {b}", rb"raw bytes")\n')
+    assert_same_code(nb, out)
+    compile(out.cells[0].source, "cell", "exec")
+
+
+def test_a_translation_that_loses_a_field_is_named(repo: Path):
+    src = repo / "solutions" / "90_fixture.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    nb.cells[3].source += '\nprint(f"{n} ranks agree")'
+    nbformat.write(nb, src)
+    translate.update(src, "es")
+    po = polib.pofile(str(repo / "solutions" / "es" / "90_fixture.po"))
+    entry = next(e for e in po if e.msgid == "{n} ranks agree")
+    entry.msgstr = "los ranks coinciden"
+    po.save()
+    assert any("must keep the text's fields, {n}" in line for line in build.stale(repo))
 
 
 def test_solution_regions_are_not_translated():

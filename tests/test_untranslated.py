@@ -32,10 +32,6 @@ KNOWN = ROOT / "tests" / "fixtures" / "untranslated.txt"
 PACKAGE = ["course_lib/*.py", "course_lib/dist/*.py", "course_lib/cluster/*.py",
            "course_lib/course/overlay.py", "course_lib/course/demos/*.py",
            "course_lib/course/bench/*.py"]
-LABELS = {"set_title", "set_xlabel", "set_ylabel", "suptitle", "title", "xlabel", "ylabel",
-          "set_label", "text", "annotate"}
-LABEL_KEYWORDS = {"label", "title"}
-TRANSLATORS = {"_", "N_", "ngettext"}
 # Words a Spanish text keeps as they are: units, the course's English terms, names.
 KEPT = {"rank", "ranks", "engine", "engines", "bucket", "buckets", "kib", "mib", "gib", "kb",
         "mb", "gb", "ms", "us", "ns", "true", "false", "none", "torch", "mpi", "gloo", "nccl",
@@ -55,65 +51,18 @@ def english(text: str) -> bool:
                                                       if w not in KEPT)
 
 
-def _text(node: ast.AST, source: str) -> str | None:
+def _text(node: ast.expr) -> str:
     """The string a literal or f-string shows (an f-string's fields as `{...}`)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+    if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else
-                       "{" + ast.unparse(v.value) + "}"
-                       for v in node.values)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):  # "a " + f"b"
-        left, right = _text(node.left, source), _text(node.right, source)
-        return None if left is None and right is None else (left or "") + (right or "")
-    return None
+    return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
+                   for v in node.values)
 
 
-def _name(func: ast.AST) -> str:
-    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-
-
-def shown(source: str, exercises: bool = False) -> list[tuple[int, str, str]]:
-    """(line, kind, text) of every learner-facing literal in `source`: printed, plotted,
-    raised; and, with `exercises`, the docstrings of its functions."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    found = []
-
-    def add(node: ast.AST, kind: str) -> None:
-        text = _text(node, source)
-        if text is not None and english(text):
-            found.append((node.lineno, kind, text))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = _name(node.func)
-            if name in TRANSLATORS:
-                continue
-            if name == "print":
-                for arg in node.args:
-                    add(arg, "printed")
-            elif name in LABELS and node.args:
-                add(node.args[0] if name not in ("text", "annotate") or len(node.args) < 3
-                    else node.args[2], "plot label")
-            for kw in node.keywords:
-                if kw.arg in LABEL_KEYWORDS and name != "print":
-                    add(kw.value, "plot label")
-        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-            add(node.exc.args[0], "error")
-        elif exercises and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.body:
-            doc = node.body[0]
-            if isinstance(doc, ast.Expr):
-                add(doc.value, "docstring")
-    return found
-
-
-def _code(source: str) -> str:
-    """A cell's source as Python: IPython magics and shell lines blanked (lines kept)."""
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                     for line in source.split("\n"))
+def shown(source: str) -> list[tuple[str, str]]:
+    """(kind, text) of every learner-facing literal of a package module in English."""
+    return [(kind, _text(node)) for node, kind in translate.shown_literals(source)
+            if english(_text(node))]
 
 
 def notebook_gaps(src: Path, po_path: Path) -> set[tuple[str, str]]:
@@ -123,12 +72,10 @@ def notebook_gaps(src: Path, po_path: Path) -> set[tuple[str, str]]:
                if e.msgstr and "fuzzy" not in e.flags and not e.obsolete}
     gaps = set()
     for cell in nbformat.read(src, as_version=4).cells:
-        if cell.cell_type != "code":
-            continue
-        hidden = translate._hidden_lines(cell.source)
-        for line, kind, text in shown(_code(cell.source), exercises=bool(hidden)):
-            if line not in hidden and (cell.get("id", ""), text) not in covered:
-                gaps.add((f"solutions/{src.name}", f"{kind}: {text}"))
+        for piece in translate.pieces(cell):
+            if (piece.kind not in ("markdown", "comment") and english(piece.text)
+                    and (cell.get("id", ""), piece.text) not in covered):
+                gaps.add((f"solutions/{src.name}", f"{piece.kind}: {piece.text}"))
     return gaps
 
 
@@ -138,7 +85,7 @@ def package_gaps() -> set[tuple[str, str]]:
     for pattern in PACKAGE:
         for path in sorted(ROOT.glob(pattern)):
             where = path.relative_to(ROOT).as_posix()
-            for _line, kind, text in shown(path.read_text(encoding="utf-8")):
+            for kind, text in shown(path.read_text(encoding="utf-8")):
                 gaps.add((where, f"{kind}: {text}"))
     return gaps
 

@@ -33,6 +33,11 @@ def _first_line(source: str) -> str:
     return source.split("\n", 1)[0].strip()
 
 
+def is_exported(source: str) -> bool:
+    """Whether a code cell is an `#| export` cell (its code becomes a package module's)."""
+    return bool(_EXPORT.match(_first_line(source)))
+
+
 def export_source(source: str, where: str) -> str:
     """The library version of one exported cell: marker lines and hidden tests dropped."""
     return "\n".join(line for kind, line in regions(source.split("\n"), where)

@@ -1,5 +1,7 @@
 """A lesson in another language: its English source with every markdown cell, code comment and
-printed heading replaced from the lesson's gettext catalogue; the code itself never changes.
+text a learner reads from the code (printed, plotted, raised, an exercise stub's docstring)
+replaced from the lesson's gettext catalogue; the code itself never changes, only the text of
+those string literals (an f-string's `{fields}` kept as they are).
 
 Catalogues live beside the source, `solutions/LANG/NN_name.po`, one entry per piece of text:
 msgctxt is the cell's id, msgid the English, `#: NN_name.ipynb:CELL` where it is. They are
@@ -11,6 +13,7 @@ its old translation, marked fuzzy, with the old English beside it), and `course.
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
 import io
@@ -20,6 +23,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from course_lib.course.exports import is_exported
 from course_lib.course.paths import ROOT
 
 if TYPE_CHECKING:
@@ -33,7 +37,16 @@ EDITIONS = ("es",)
 PENDING: dict[str, tuple[str, ...]] = {"es": ()}
 # Comments that are markers for tools, not prose: never translated.
 _MARKER = re.compile(r"^(\||#|\s*(NBVAL_|noqa|type:|YOUR CODE HERE|pragma))")  # after the #
-_PRINTED = re.compile(r"""print\((["'])([^"'\\\n]*[A-Za-z][^"'\\\n]*)\1\)""")
+_FIELD = re.compile(r"\{[^{}]*\}")
+# What a learner reads from code: the arguments of print, a plot's labels, an error's message.
+LABELS = {"set_title", "set_xlabel", "set_ylabel", "suptitle", "title", "xlabel", "ylabel",
+          "set_label", "text", "annotate"}
+LABEL_KEYWORDS = {"label", "title", "xlabel", "ylabel", "suptitle"}
+TRANSLATORS = {"_", "N_", "ngettext"}  # the package's own messages: its catalogues hold them
+KINDS = {"markdown": "markdown cell", "comment": "comment in a code cell",
+         "printed": "text a code cell prints", "label": "a plot's title, axis label or legend",
+         "error": "an error message a code cell raises",
+         "docstring": "the docstring of an exercise's stub"}
 _SOURCE_MARKERS = re.compile(r"^\s*### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\s*$", re.M)
 
 
@@ -71,14 +84,93 @@ def _comments(source: str) -> list[Piece]:
     return pieces
 
 
-def _printed(source: str) -> list[Piece]:
-    """Headings the cell prints as plain string literals (f-strings are code: left alone)."""
+def code_of(source: str) -> str:
+    """A cell's source as Python: IPython magics and shell lines blanked (lines kept)."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.split("\n"))
+
+
+def shown_literals(source: str, docstrings: bool = False) -> list[tuple[ast.expr, str]]:
+    """(string literal, kind) of every text a learner reads when `source` runs: what it prints
+    ("printed"), a plot's title, axis labels and legends ("label"), an error's message
+    ("error"); with `docstrings`, each function's and class's docstring ("docstring"). A
+    literal passed to `_()`, `N_()` or `ngettext()` is the package catalogues'."""
+    try:
+        tree = ast.parse(code_of(source))
+    except SyntaxError:
+        return []
+    found: list[tuple[ast.expr, str]] = []
+
+    def add(node: ast.expr, kind: str) -> None:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):  # "a " + f"b"
+            add(node.left, kind)
+            add(node.right, kind)
+        elif isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant)
+                                                 and isinstance(node.value, str)):
+            found.append((node, kind))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                getattr(node.func, "id", "")
+            if name in TRANSLATORS:
+                continue
+            if name == "print":
+                for arg in node.args:
+                    add(arg, "printed")
+            elif name in LABELS and node.args:
+                add(node.args[2] if name in ("text", "annotate") and len(node.args) >= 3
+                    else node.args[0], "label")
+            for kw in node.keywords:
+                if kw.arg in LABEL_KEYWORDS and name != "print":
+                    add(kw.value, "label")
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+            add(node.exc.args[0], "error")
+        elif docstrings and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr):
+                add(first.value, "docstring")
+    return found
+
+
+def _column(line: str, byte_offset: int) -> int:
+    """ast's byte offset in `line` as a character column (tokenize's)."""
+    return len(line.encode("utf-8")[:byte_offset].decode("utf-8", errors="ignore"))
+
+
+def _literals(source: str, docstrings: bool) -> list[Piece]:
+    """The text inside the quotes of each string token of `shown_literals` (an implicit
+    concatenation gives one piece a token) that holds a word outside its `{fields}`."""
+    lines = source.split("\n")
+    spans = []
+    for node, kind in shown_literals(source, docstrings):
+        start = (node.lineno, _column(lines[node.lineno - 1], node.col_offset))
+        end = (node.end_lineno, _column(lines[node.end_lineno - 1], node.end_col_offset))
+        spans.append((start, end, kind))
+    if not spans:
+        return []
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(code_of(source)).readline)
+                  if t.type == tokenize.STRING]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return []
     found = []
-    for row, line in enumerate(source.split("\n"), 1):
-        if line.lstrip().startswith("#"):
+    for tok in tokens:
+        kind = next((k for start, end, k in spans if start <= tok.start and tok.end <= end), None)
+        if kind is None:
             continue
-        found += [Piece("printed", m.group(2), (row, row, m.start(2), m.end(2)))
-                  for m in _PRINTED.finditer(line)]
+        prefix = re.match(r"[A-Za-z]*", tok.string).group()
+        quote = tok.string[len(prefix):len(prefix) + 3]
+        quote = quote if quote in ('"""', "'''") else quote[0]
+        if "r" in prefix.lower() or "b" in prefix.lower():
+            continue  # raw and bytes literals: code, not prose
+        body = tok.string[len(prefix) + len(quote):-len(quote)]
+        if not re.search(r"[A-Za-z]{2}", _FIELD.sub(" ", body) if "f" in prefix.lower()
+                         else body):
+            continue
+        (row, col), (end_row, end_col) = tok.start, tok.end
+        found.append(Piece(kind, body, (row, end_row, col + len(prefix) + len(quote),
+                                        end_col - len(quote))))
     return found
 
 
@@ -101,7 +193,11 @@ def pieces(cell: nbformat.NotebookNode) -> list[Piece]:
         return [Piece("markdown", cell.source)] if cell.source.strip() else []
     if cell.cell_type == "code":
         hidden = _hidden_lines(cell.source)
-        found = [p for p in _comments(cell.source) + _printed(cell.source)
+        # An exported cell's messages are the package module's: `_()` and its catalogues
+        # translate them; a stub's docstring is read here.
+        literals = [p for p in _literals(cell.source, bool(hidden))
+                    if p.kind == "docstring" or not is_exported(cell.source)]
+        found = [p for p in _comments(cell.source) + literals
                  if not hidden.intersection(range(p.where[0], p.where[1] + 1))]
         return sorted(found, key=lambda p: p.where)
     return []
@@ -112,11 +208,12 @@ def _apply(source: str, found: list[tuple[Piece, str]]) -> str:
     lines = source.split("\n")
     for piece, text in sorted(found, key=lambda x: x[0].where, reverse=True):
         first, last, col, end = piece.where
-        if piece.kind == "printed":
-            line = lines[first - 1]
-            quote = line[col - 1]
-            text = text if quote not in text else text.replace(quote, "\\" + quote)
-            lines[first - 1] = line[:col] + text + line[end:]
+        if piece.kind not in ("comment", "markdown"):  # a string literal's text
+            quote = lines[first - 1][col - 1]
+            if lines[first - 1][col - 3:col] != quote * 3:  # one quote: escape the text's own
+                text = re.sub(r"(?<!\\)" + re.escape(quote), "\\" + quote, text)
+            lines[first - 1:last] = (lines[first - 1][:col] + text + lines[last - 1][end:]
+                                     ).split("\n")
         elif first == last and lines[first - 1][:col].strip():  # after code: one line
             lines[first - 1] = lines[first - 1][:col] + "# " + " ".join(text.split("\n"))
         else:
@@ -192,6 +289,10 @@ def lesson_problems(src: Path, lang: str) -> list[str]:
                 lines.append(f"{where}: not translated yet in {po_path.name}")
             elif (_SOURCE_MARKERS.findall(entry.msgid) != _SOURCE_MARKERS.findall(entry.msgstr)):
                 lines.append(f"{where}: the translation must keep the ### BEGIN/END lines")
+            elif piece.kind in KINDS and piece.kind not in ("markdown", "comment") and (
+                    sorted(_FIELD.findall(entry.msgid)) != sorted(_FIELD.findall(entry.msgstr))):
+                lines.append(f"{where}: the translation must keep the text's fields, "
+                             f"{' '.join(_FIELD.findall(entry.msgid))} (they are code)")
     if pending and not lines:
         return [f"{lang}: {lesson} is complete: remove it from course_lib.course.translate.PENDING"]
     return [] if pending else lines
@@ -227,8 +328,7 @@ def update(src: Path, lang: str) -> list[str]:
                 continue
             entry = known.get(key) or _fuzzy_match(key, known, i, changes)
             entry.occurrences = [(src.name, str(i))]
-            entry.comment = {"markdown": "markdown cell", "comment": "comment in a code cell",
-                             "printed": "text a code cell prints"}[piece.kind]
+            entry.comment = KINDS[piece.kind]
             wanted[key] = entry
     used = {id(e) for e in wanted.values()}
     gone = [e for e in known.values() if id(e) not in used]
