@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from course_lib.backend import comm_device
+from course_lib.i18n import _
 
 __all__ = ["no_sync", "accumulation_step", "saved_activation_bytes"]
 
@@ -40,7 +41,7 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     once); `loss_fn(output, y)` gives each token's loss. Returns this rank's loss per real token,
     as a float."""
     if not micro_batches:
-        raise ValueError("accumulation_step needs at least one micro-batch")
+        raise ValueError(_("accumulation_step needs at least one micro-batch"))
     ddp = hasattr(model, "no_sync")
     mine = sum(int(mask.sum()) for _, _, mask in micro_batches)
     count = torch.tensor(mine, device=comm_device(model.dist, model.group) if ddp else "cpu")

@@ -21,6 +21,7 @@ from typing import Any
 from course_lib import dist as scratch
 from course_lib import dist
 from course_lib import mpi
+from course_lib.i18n import _
 
 BACKENDS = ("scratch", "gloo", "mpi", "none")
 DEFAULT_BACKEND = "scratch"
@@ -57,14 +58,16 @@ def check_backend(backend: str, engines: str | None = None) -> None:
     """ValueError unless `backend` is known and can run on processes started by `engines`
     ("mpi" for mpiexec; None for plain local processes, as `spawn` starts)."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(_("unknown backend {backend}; choose one of {choices}",
+                           backend=repr(backend), choices=", ".join(BACKENDS)))
     if backend == "scratch" and not _availability.scratch_written():
-        raise ValueError('backend="scratch" runs on your lesson 01 wire format, which this '
-                         "student release does not ship and you have not exported yet: "
-                         'complete lesson 01, or use backend="gloo"')
+        raise ValueError(_('backend="scratch" runs on your lesson 01 wire format, which this '
+                           "student release does not ship and you have not exported yet: "
+                           'complete lesson 01, or use backend="gloo"'))
     if backend == "mpi" and engines != "mpi":
         use = 'engines="mpi"' if engines is not None else 'course_lib.cluster.start(engines="mpi")'
-        raise ValueError(f'backend="mpi" needs processes started by mpiexec: use {use}')
+        raise ValueError(_('backend="mpi" needs processes started by mpiexec: use {use}',
+                           use=use))
 
 
 def default_dist(dist: Any = None) -> Any:
@@ -178,7 +181,8 @@ def init(backend: str, rank: int, world_size: int, *, timeout: float,
     elif backend == "mpi":
         mpi.init_process_group(timeout=timeout)
         if mpi.get_rank() != rank:
-            raise RuntimeError(f"MPI rank {mpi.get_rank()} and rank {rank} disagree")
+            raise RuntimeError(_("MPI rank {mpi_rank} and rank {rank} disagree",
+                                 mpi_rank=mpi.get_rank(), rank=rank))
     elif backend != "none":
         check_backend(backend)  # raises: unknown backend
 
@@ -206,12 +210,13 @@ def torchrun_init(device: str = "auto", env: Any = None) -> Any:
         tdist.init_process_group("gloo")
         return torch.device("cpu")
     if not device.startswith("cuda") or not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N' (CUDA "
-                         f"needs a torch that sees a GPU: {torch.cuda.is_available()=})")
+        raise ValueError(_("device={device}: choose 'auto', 'cpu', 'cuda' or 'cuda:N' (CUDA "
+                           "needs a torch that sees a GPU: torch.cuda.is_available()={available})",
+                           device=repr(device), available=torch.cuda.is_available()))
     if device == "cuda":
         if local is None:
-            raise RuntimeError('device="cuda" under a launcher needs LOCAL_RANK (torchrun '
-                               "sets it) to pick this rank's GPU")
+            raise RuntimeError(_('device="cuda" under a launcher needs LOCAL_RANK (torchrun '
+                                 "sets it) to pick this rank's GPU"))
         index = int(local)
     else:
         index = torch.device(device).index

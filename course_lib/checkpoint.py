@@ -17,6 +17,7 @@ import torch
 from course_lib.checkpoint_files import (FORMAT, MANIFEST, CheckpointError, Crc32, Piece, agree,
     all_gather_json, attempt, crc32, destinations, flatten, map_file, parse_shard, plan_save,
     rank_and_size, read_manifest, read_shard, verify, write_shard)
+from course_lib.i18n import _
 
 
 def fsync_dir(path: Path) -> None:
@@ -60,9 +61,9 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, dist: Any = None
     agree([e for _, e in outcomes], f"save of {folder} failed, the previous checkpoint stays")
     if rank == 0:
         manifest = plan.manifest([i for i, _ in outcomes])
-        _, error = attempt(write_atomic, folder / MANIFEST, [manifest])
+        error = attempt(write_atomic, folder / MANIFEST, [manifest])[1]
         plan.remove_others(folder)
-    agree(all_gather_json(error, dist, group, world), f"save of {folder} failed")
+    agree(all_gather_json(error, dist, group, world), _("save of {folder} failed", folder=folder))
 
 
 # %% solutions/09a_checkpoints.ipynb, cell 14
@@ -101,7 +102,7 @@ def load(state_dict: dict, checkpoint_id: str | os.PathLike, *, dist: Any = None
             shards[name] = parse_shard(data, folder / name)
     except CheckpointError as exc:
         error = str(exc)
-    agree(all_gather_json(error, dist, group, world), f"load of {folder} failed")
+    agree(all_gather_json(error, dist, group, world), _("load of {folder} failed", folder=folder))
     with torch.no_grad():
         for flat, piece, src, dst, n in copies:
             flat[dst:dst + n].copy_(shards[piece["file"]][piece["name"]][src:src + n])

@@ -143,7 +143,7 @@ def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
 def agree(errors: list[str | None], what: str) -> None:
     """Raise one CheckpointError naming every rank whose entry in `errors` (all ranks' outcomes,
     in rank order, as `all_gather_json` returns them) is an error; nothing if none is."""
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    failed = [_("rank {rank}: {message}", rank=r, message=e) for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"{what}: " + "; ".join(failed))
 
@@ -162,8 +162,8 @@ def plan_writes(plans: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str
         held = [(r, p[key]) for r, p in enumerate(plans) if key in p]
         kinds = {h["kind"] for _, h in held}
         if len(kinds) > 1:
-            raise ValueError(f"{key!r} is a {' on some ranks and a '.join(sorted(kinds))} on "
-                             "others")
+            raise ValueError(_("{key} is a {kinds} on others", key=repr(key),
+                               kinds=_(" on some ranks and a ").join(sorted(kinds))))
         if kinds == {"value"}:
             differ = [r for r, h in held if h["value"] != held[0][1]["value"]]
             if differ:
@@ -284,8 +284,9 @@ def destinations(leaves: dict, manifest: dict, folder: Path | str = "") -> Targe
     missing = [k for k, (leaf, _, _) in leaves.items()
                if k not in manifest["tensors" if is_tensor(leaf) else "values"]]
     if missing:
-        raise CheckpointError(f"{folder}: no {', '.join(map(repr, missing[:5]))}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        more = _(" and {n} more", n=len(missing) - 5) if len(missing) > 5 else ""
+        raise CheckpointError(_("{folder}: no {keys}{more}", folder=folder,
+                                keys=", ".join(map(repr, missing[:5])), more=more))
     targets = Targets(leaves, manifest)
     for key, (leaf, _container, _k) in leaves.items():
         if not is_tensor(leaf):

@@ -176,7 +176,8 @@ def parse_shard(buffer: torch.Tensor, path: Path | str = "shard") -> dict[str, t
     try:
         (size,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
         if not 2 <= size <= buffer.numel() - 8:
-            raise ValueError(f"header of {size} bytes in a file of {buffer.numel()}")
+            raise ValueError(_("header of {size} bytes in a file of {total}", size=size,
+                               total=buffer.numel()))
         header = json.loads(bytes(buffer[8:8 + size].numpy()))
         data, out = buffer[8 + size:], {}
         dtypes = {v: k for k, v in ST_DTYPE.items()}
@@ -186,7 +187,8 @@ def parse_shard(buffer: torch.Tensor, path: Path | str = "shard") -> dict[str, t
             dtype, (a, b) = dtypes[entry["dtype"]], entry["data_offsets"]
             numel = math.prod(int(n) for n in entry["shape"])
             if not 0 <= a <= b <= data.numel() or b - a != numel * dtype.itemsize:
-                raise ValueError(f"{name!r}: offsets [{a}, {b}) do not fit {entry}")
+                raise ValueError(_("{name}: offsets [{a}, {b}) do not fit {entry}",
+                                   name=repr(name), a=a, b=b, entry=entry))
             raw = data[a:b] if a % dtype.itemsize == 0 else data[a:b].clone()  # another writer's
             out[name] = raw.view(dtype).view(-1) if numel else torch.empty(0, dtype=dtype)
         return out

@@ -49,10 +49,10 @@ def clip_grads_(grads: Iterable[torch.Tensor | Held], max_norm: float, norm_type
     held += [Held(g, g.numel(), False) for g in uncounted]
     total = total_norm(held, norm_type, groups, default_dist(dist))
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
-                           "`parameters` is non-finite, so it cannot be clipped. To disable this "
-                           "error and scale the gradients by the non-finite norm anyway, set "
-                           "`error_if_nonfinite=False`")
+        raise RuntimeError(_("The total norm of order {order} for gradients from `parameters` "
+                             "is non-finite, so it cannot be clipped. To disable this error and "
+                             "scale the gradients by the non-finite norm anyway, set "
+                             "`error_if_nonfinite=False`", order=float(norm_type)))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for h in held:
         h.grad.detach().mul_(coef.to(h.grad.dtype))

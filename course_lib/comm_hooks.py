@@ -25,6 +25,7 @@ from course_lib.backend import default_dist
 from course_lib.hook_states import (DefaultState, PowerSGDState, TopKState, allreduce_hook, done,
                                     floating_buffer, hook_bytes, orthogonalize_,
                                     split_compressible, where)
+from course_lib.i18n import _
 
 __all__ = ["compress_hook", "fp16_compress_hook", "bf16_compress_hook", "compress_with_feedback",
     "topk_hook", "powersgd_step", "powerSGD_hook"]
@@ -102,8 +103,8 @@ def powersgd_step(matrices: list[torch.Tensor], qs: list[torch.Tensor], *, dist:
     becomes the average's approximation P Q^T. `qs` keep the new Q (PowerSGD's warm start)."""
     for m, q in zip(matrices, qs):
         if q.shape[2] > min(m.shape[1], m.shape[2]):
-            raise ValueError(f"powersgd_step: rank {q.shape[2]} is larger than a "
-                             f"{m.shape[1]}x{m.shape[2]} matrix")
+            raise ValueError(_("powersgd_step: rank {rank} is larger than a {rows}x{cols} "
+                               "matrix", rank=q.shape[2], rows=m.shape[1], cols=m.shape[2]))
     dist = default_dist(dist)
     ps = [torch.bmm(m, q) for m, q in zip(matrices, qs)]
     flat_p = torch.cat([p.reshape(-1) for p in ps])

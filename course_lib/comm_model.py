@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from course_lib.i18n import _
+
 ALGORITHMS = ("naive", "ring", "tree", "rabenseifner")
 
 
@@ -42,7 +44,8 @@ def terms(algorithm: str, nbytes: float, p: int) -> tuple[float, float, float]:
     of `nbytes` on `p` ranks; a world that is not a power of two folds its extra ranks in and
     out first."""
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+        raise ValueError(_("unknown algorithm {algorithm!r}; choose one of {algorithms}",
+                           algorithm=algorithm, algorithms=ALGORITHMS))
     if p < 2:
         return 0.0, 0.0, 0.0
     pof2 = 1 << (p.bit_length() - 1)
@@ -74,7 +77,8 @@ def fit_model(measurements: Sequence[tuple[str, int, int, float]]) -> Fit:
     estimates (noise) become 0."""
     rows = [(terms(a, n, p), t) for a, n, p, t in measurements if p > 1]
     if len(rows) < 3:
-        raise ValueError(f"fit_model needs at least 3 measurements on 2+ ranks, got {len(rows)}")
+        raise ValueError(_("fit_model needs at least 3 measurements on 2+ ranks, got {n}",
+                           n=len(rows)))
     x = torch.tensor([[m / t, s / t, r / t] for (m, s, r), t in rows], dtype=torch.float64)
     y = torch.ones(len(rows), 1, dtype=torch.float64)
     scale = x.abs().amax(0).clamp_min(1e-300)  # columns of similar size: a well-posed solve

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from course_lib.backend import default_dist, global_rank
+from course_lib.i18n import _
 
 __all__ = ["LAYOUTS", "padded_length", "pad_sequence", "chunk_ids", "chunk_ranges", "positions",
            "zigzag_split", "contiguous_split", "split_sequence", "unsplit_sequence",
@@ -37,7 +38,8 @@ def pad_sequence(x: torch.Tensor, length: int, dim: int, value: float = 0) -> to
     """`x` padded with `value` along `dim` to `length` (unchanged when already that long)."""
     missing = length - x.shape[dim]
     if missing < 0:
-        raise ValueError(f"cannot pad a sequence of {x.shape[dim]} down to {length}")
+        raise ValueError(_("cannot pad a sequence of {n} down to {length}", n=x.shape[dim],
+                           length=length))
     if missing == 0:
         return x
     shape = list(x.shape)
@@ -51,7 +53,8 @@ def chunk_ids(layout: str, rank: int, cp: int) -> tuple[int, int]:
         return rank, 2 * cp - 1 - rank
     if layout == "contiguous":
         return 2 * rank, 2 * rank + 1
-    raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    raise ValueError(_("unknown layout {layout}; choose one of {layouts}", layout=repr(layout),
+                       layouts=LAYOUTS))
 
 
 def chunk_ranges(layout: str, rank: int, cp: int, chunk_len: int) -> list[range]:
@@ -90,7 +93,8 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, *, layout: str = "zigzag
     """`rank`'s part of the sequence along `dim` in `layout` (a copy, padded as needed)."""
     split = {"zigzag": zigzag_split, "contiguous": contiguous_split}.get(layout)
     if split is None:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        raise ValueError(_("unknown layout {layout}; choose one of {layouts}",
+                           layout=repr(layout), layouts=LAYOUTS))
     return split(x, cp, rank, dim).clone()
 
 
@@ -362,14 +366,15 @@ class RingAttention(torch.autograd.Function):
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, seq_len: int) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"expected q, k, v as (batch, heads, seq, head_dim), equal shapes; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(_("expected q, k, v as (batch, heads, seq, head_dim), equal shapes; "
+                           "got {q}, {k}, {v}", q=tuple(q.shape), k=tuple(k.shape),
+                           v=tuple(v.shape)))
     local = q.shape[-2]
     if local % 2 or local * cp < seq_len:
-        raise ValueError(f"this rank holds {local} positions: a sequence of {seq_len} on {cp} "
-                         f"ranks needs two equal chunks of at least "
-                         f"{padded_length(seq_len, cp) // (2 * cp)} per rank: split it with "
-                         "split_sequence")
+        raise ValueError(_("this rank holds {local} positions: a sequence of {seq_len} on {cp} "
+                           "ranks needs two equal chunks of at least {chunk} per rank: split it "
+                           "with split_sequence", local=local, seq_len=seq_len, cp=cp,
+                           chunk=padded_length(seq_len, cp) // (2 * cp)))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

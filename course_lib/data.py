@@ -11,6 +11,7 @@ from typing import Any, Iterator, Sized
 import torch
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 
 __all__ = ["shard_indices", "DistributedSampler"]
 
@@ -50,20 +51,23 @@ class DistributedSampler(torch.utils.data.Sampler):
         if num_replicas is None or rank is None:
             d = default_dist(dist)
             if not d.is_initialized():
-                raise RuntimeError("DistributedSampler: pass num_replicas and rank, or "
-                                   "initialize a process group first")
+                raise RuntimeError(_("DistributedSampler: pass num_replicas and rank, or "
+                                     "initialize a process group first"))
             num_replicas = d.get_world_size(group) if num_replicas is None else num_replicas
             rank = d.get_rank(group) if rank is None else rank
         if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+            raise ValueError(_("num_replicas must be a positive int, got {num_replicas}",
+                               num_replicas=repr(num_replicas)))
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"invalid rank {rank!r}: rank must be in [0, {num_replicas - 1}]")
+            raise ValueError(_("invalid rank {rank}: rank must be in [0, {last}]",
+                               rank=repr(rank), last=num_replicas - 1))
         n = len(dataset)
         if n == 0:
-            raise ValueError("DistributedSampler: the dataset is empty")
+            raise ValueError(_("DistributedSampler: the dataset is empty"))
         if drop_last and n < num_replicas:
-            raise ValueError(f"DistributedSampler: drop_last with {n} samples and "
-                             f"{num_replicas} replicas leaves every rank empty")
+            raise ValueError(_("DistributedSampler: drop_last with {n} samples and "
+                               "{num_replicas} replicas leaves every rank empty", n=n,
+                               num_replicas=num_replicas))
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         # Dropping keeps the largest multiple of num_replicas; padding rounds up to one.

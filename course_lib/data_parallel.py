@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 
 MiB = 1024 * 1024
 
@@ -85,7 +86,7 @@ def make_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0,
     """Group parameters into buckets in reverse registration order (the order backward
     produces gradients); a bucket closes once it holds at least its cap, or at a dtype change."""
     if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        raise ValueError(_("bucket_cap_mb must be positive, got {cap}", cap=bucket_cap_mb))
     cap = (first_bucket_cap_mb if first_bucket_cap_mb is not None else bucket_cap_mb) * MiB
     buckets: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []

@@ -20,6 +20,7 @@ from course_lib.data_parallel import (MiB, allreduce_grads_bucketed, allreduce_g
                                       buckets_to_launch, make_buckets)
 from course_lib.grad_bucket import (COMM_HOOK_TIMEOUT, Bucket, GradBucket, TimedWork,
                                     check_comm_hook, check_same_tensors, is_view_of, run_comm_hook)
+from course_lib.i18n import _
 
 __all__ = ["stage_grad", "launch_bucket", "on_grad_ready", "finish_backward",
     "DistributedDataParallel"]
@@ -57,9 +58,9 @@ def on_grad_ready(ddp: "DistributedDataParallel", p: torch.Tensor) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(ddp.end_of_backward)
     bucket = ddp.bucket_of[id(p)]
     if id(p) in bucket.ready:
-        raise RuntimeError(f"DistributedDataParallel: parameter {ddp.names[id(p)]!r} got its "
-                           "gradient twice in one backward (reentrant backward or "
-                           "checkpointing is not supported)")
+        raise RuntimeError(_("DistributedDataParallel: parameter {name!r} got its gradient "
+                             "twice in one backward (reentrant backward or checkpointing is "
+                             "not supported)", name=ddp.names[id(p)]))
     bucket.ready.add(id(p))
     view = ddp.view_of[id(p)]
     with torch.no_grad():
@@ -77,10 +78,10 @@ def finish_backward(ddp: "DistributedDataParallel") -> None:
     missing = [ddp.names[id(p)] for b in ddp.buckets[ddp.next_bucket:]
                for p in b.params if id(p) not in b.ready]
     if missing and not ddp.find_unused_parameters:
-        raise RuntimeError(
-            f"DistributedDataParallel: rank {ddp.dist.get_rank()}: parameters {missing} got no "
-            "gradient in this backward; pass find_unused_parameters=True if the model skips "
-            "them on purpose")
+        raise RuntimeError(_(
+            "DistributedDataParallel: rank {rank}: parameters {missing} got no gradient in this "
+            "backward; pass find_unused_parameters=True if the model skips them on purpose",
+            rank=ddp.dist.get_rank(), missing=missing))
     for b in ddp.buckets[ddp.next_bucket:]:
         ddp.launch(b)
     ddp.next_bucket = len(ddp.buckets)
@@ -105,7 +106,8 @@ class DistributedDataParallel(nn.Module):
                  dist: Any = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+            raise TypeError(_("DistributedDataParallel wraps an nn.Module, got {kind}",
+                              kind=type(module).__name__))
         self.module, self.dist, self.group = module, default_dist(dist), group
         self.world_size = self.dist.get_world_size(group)
         self.src = global_rank(self.dist, group, 0)  # the group's first rank
@@ -114,7 +116,8 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = self._sync_buffers_next_forward = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("DistributedDataParallel: the module has no parameter that requires grad")
+            raise ValueError(_("DistributedDataParallel: the module has no parameter that "
+                               "requires grad"))
         self.names = {id(p): n for n, p in named}
         self._buffers_to_sync = list(module.buffers())
         grouped = make_buckets([p for _, p in named], bucket_cap_mb, first_bucket_cap_mb)
@@ -133,8 +136,8 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.in_backward:
-            raise RuntimeError("DistributedDataParallel: the previous backward did not finish "
-                               "its gradient reduction (did it raise?); rebuild the wrapper")
+            raise RuntimeError(_("DistributedDataParallel: the previous backward did not finish "
+                                 "its gradient reduction (did it raise?); rebuild the wrapper"))
         start = time.perf_counter()
         if self._sync_buffers_next_forward and self.broadcast_buffers and self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, self.src, dist=self.dist, group=self.group)

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from course_lib.i18n import _
 from course_lib.sharding import all_gather_params, reduce_scatter_grads
 from course_lib.zero_machinery import Layout, UnitBase, add_grad, tensors_in
 
@@ -208,7 +209,8 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, dist: 
     only if `reshard_after_forward`), gradients reduce-scattered. Wrap inner units first, then
     the root, as with torch's FSDP2. Returns `module`, whose `parameters()` are now the shards."""
     if isinstance(getattr(module, "_zero_unit", None), FSDPUnit):
-        raise ValueError(f"fully_shard: this {type(module).__name__} is already sharded")
+        raise ValueError(_("fully_shard: this {kind} is already sharded",
+                           kind=type(module).__name__))
     module._zero_unit = FSDPUnit(module, reshard_after_forward, dist, group)
     return module
 

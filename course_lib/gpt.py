@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from course_lib import sequence_parallel as sp_layers
 from course_lib.context_parallel import pad_sequence, ring_attention, zigzag_split
+from course_lib.i18n import _
 from course_lib.moe import MoE
 from course_lib.tensor_parallel import (TensorParallelAttention, TensorParallelMLP,
                                         attention_forward)
@@ -71,7 +72,8 @@ class CharTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         unknown = sorted(set(text) - set(self.index))
         if unknown:
-            raise ValueError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+            raise ValueError(_("characters not in the vocabulary: {chars}",
+                               chars=repr("".join(unknown))))
         return torch.tensor([self.index[c] for c in text], dtype=torch.int64)
 
     def decode(self, ids: torch.Tensor) -> str:
@@ -94,7 +96,8 @@ class SelfAttention(TrackedDropout, nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd ({cfg.n_embd}) is not divisible by n_head ({cfg.n_head})")
+            raise ValueError(_("n_embd ({n_embd}) is not divisible by n_head ({n_head})",
+                               n_embd=cfg.n_embd, n_head=cfg.n_head))
         self.embed_dim, self.num_heads = cfg.n_embd, cfg.n_head
         self.local_heads, self.head_dim, self.causal = cfg.n_head, cfg.n_embd // cfg.n_head, True
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
@@ -189,8 +192,8 @@ class Embedding(nn.Module):
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
-            raise ValueError(f"sequence of {t} tokens is longer than block_size "
-                             f"{self.block_size}")
+            raise ValueError(_("sequence of {t} tokens is longer than block_size {block_size}",
+                               t=t, block_size=self.block_size))
         if positions is None:
             positions = torch.arange(t, device=idx.device)
         if self.split is None:
@@ -241,7 +244,7 @@ class GPT(nn.Sequential):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample `max_new_tokens` more ids after `idx` (batch, seq), one at a time."""
-        for _ in range(max_new_tokens):
+        for _step in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[:, -1, :] / temperature
             probs = F.softmax(logits, dim=-1)  # sampled on the host, by the CPU generator
             nxt = torch.multinomial(probs.float().cpu(), 1, generator=generator).to(idx.device)

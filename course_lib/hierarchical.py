@@ -22,6 +22,7 @@ import torch
 
 from course_lib.backend import default_dist
 from course_lib.comm_model import Fit, cost
+from course_lib.i18n import _
 
 __all__ = ["Hosts", "host_groups", "hierarchical_all_reduce", "sharded_hierarchical_all_reduce",
            "hierarchical_cost", "sharded_hierarchical_cost"]
@@ -47,8 +48,8 @@ def host_groups(ranks_per_host: int, *, dist: Any = None) -> Hosts:
     dist = default_dist(dist)
     world, rank = dist.get_world_size(), dist.get_rank()
     if not isinstance(ranks_per_host, int) or ranks_per_host < 1 or world % ranks_per_host:
-        raise ValueError(f"host_groups: {world} ranks do not split into hosts of "
-                         f"{ranks_per_host!r} ranks")
+        raise ValueError(_("host_groups: {world} ranks do not split into hosts of {per_host} "
+                           "ranks", world=world, per_host=repr(ranks_per_host)))
     hosts = world // ranks_per_host
     local = None
     for h in range(hosts):

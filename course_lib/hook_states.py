@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 
 __all__ = ["DefaultState", "TopKState", "PowerSGDState", "where", "floating_buffer", "done",
            "allreduce_hook", "orthogonalize_", "split_compressible", "hook_bytes"]
@@ -44,8 +45,8 @@ def floating_buffer(bucket: Any, hook: str) -> torch.Tensor:
     """The bucket's flat buffer; a clear error if its gradients are not floating point."""
     buffer = bucket.buffer()
     if not buffer.is_floating_point():
-        raise TypeError(f"{hook}: gradients must be floating point, got {buffer.dtype} "
-                        f"(bucket {bucket.index()})")
+        raise TypeError(_("{hook}: gradients must be floating point, got {dtype} (bucket "
+                          "{index})", hook=hook, dtype=buffer.dtype, index=bucket.index()))
     return buffer
 
 
@@ -72,7 +73,8 @@ class TopKState:
     def __init__(self, process_group: Any = None, *, ratio: float = 0.01,
                  use_error_feedback: bool = True, dist: Any = None):
         if not 0 < ratio <= 1:
-            raise ValueError(f"TopKState: ratio must be in (0, 1], got {ratio!r}")
+            raise ValueError(_("TopKState: ratio must be in (0, 1], got {ratio}",
+                               ratio=repr(ratio)))
         self.process_group, self.dist = process_group, dist
         self.ratio, self.use_error_feedback = ratio, use_error_feedback
         self.errors: dict[int, torch.Tensor] = {}
@@ -105,11 +107,12 @@ class PowerSGDState:
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0, *,
                  dist: Any = None):
         if not isinstance(matrix_approximation_rank, int) or matrix_approximation_rank < 1:
-            raise ValueError("PowerSGDState: matrix_approximation_rank must be an int >= 1, "
-                             f"got {matrix_approximation_rank!r}")
+            raise ValueError(_("PowerSGDState: matrix_approximation_rank must be an int >= 1, "
+                               "got {rank}", rank=repr(matrix_approximation_rank)))
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("PowerSGDState: start_powerSGD_iter must be > 1 with error feedback "
-                             "or warm start (the first step's buckets are not final yet)")
+            raise ValueError(_("PowerSGDState: start_powerSGD_iter must be > 1 with error "
+                               "feedback or warm start (the first step's buckets are not final "
+                               "yet)"))
         self.process_group, self.dist = process_group, dist
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -154,9 +157,9 @@ def split_compressible(state: PowerSGDState, grads: list[torch.Tensor]):
         r = min(n, cols, state.matrix_approximation_rank)
         if (n + cols) * r * state.min_compression_rate < n * cols:
             if state.matrix_approximation_rank > min(n, cols):
-                raise ValueError(f"powerSGD_hook: matrix_approximation_rank "
-                                 f"{state.matrix_approximation_rank} is larger than a {n}x{cols} "
-                                 "gradient it would compress")
+                raise ValueError(_("powerSGD_hook: matrix_approximation_rank {rank} is larger "
+                                   "than a {n}x{cols} gradient it would compress",
+                                   rank=state.matrix_approximation_rank, n=n, cols=cols))
             compress.append(m.unsqueeze(0))
             ranks.append(r)
         else:

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
@@ -34,12 +35,14 @@ def check_degrees(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> di
            if isinstance(d, bool) or not isinstance(d, int) or d < 1}
     if bad:
         named = ", ".join(f"{axis}={d!r}" for axis, d in bad.items())
-        raise ValueError(f"ParallelLayout: degrees must be positive ints, got {named} "
-                         f"(dp={dp!r}, tp={tp!r}, pp={pp!r}, cp={cp!r})")
+        raise ValueError(_("ParallelLayout: degrees must be positive ints, got {named} "
+                           "(dp={dp}, tp={tp}, pp={pp}, cp={cp})", named=named, dp=repr(dp),
+                           tp=repr(tp), pp=repr(pp), cp=repr(cp)))
     if dp * cp * tp * pp != world_size:
         cps = f" x cp={cp}" if cp != 1 else ""
-        raise ValueError(f"ParallelLayout: dp={dp}{cps} x tp={tp} x pp={pp} = "
-                         f"{dp * cp * tp * pp}, but the world has {world_size} ranks")
+        raise ValueError(_("ParallelLayout: dp={dp}{cps} x tp={tp} x pp={pp} = {product}, but "
+                           "the world has {world_size} ranks", dp=dp, cps=cps, tp=tp, pp=pp,
+                           product=dp * cp * tp * pp, world_size=world_size))
     return degrees
 
 __all__ = ["AXES", "check_degrees", "layout_groups", "ParallelLayout", "stage_layers"]
@@ -96,7 +99,7 @@ class ParallelLayout:
         if cp == 1:  # the ranks with the same weights are the dp group
             self.groups["dp_cp"] = self.groups["dp"]
         if dp % ep:
-            raise ValueError(f"ParallelLayout: ep={ep} must divide dp={dp}")
+            raise ValueError(_("ParallelLayout: ep={ep} must divide dp={dp}", ep=ep, dp=dp))
         self.ep = ep  # experts: the dp ranks split in groups of ep, sharing their experts
         for axis, every_group in (self.expert_groups().items() if ep > 1 else ()):
             self.coords[axis] = self.coords["dp"] % ep if axis == "ep" else self.coords["dp"] // ep
@@ -149,7 +152,8 @@ class ParallelLayout:
         """The global ranks of `rank`'s group along `axis` (this rank's by default), in order
         of their coordinate on that axis."""
         if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+            raise ValueError(_("unknown axis {axis}; axes are {axes}", axis=repr(axis),
+                               axes=AXES))
         coords = self.coordinates(self.rank if rank is None else rank)
         return [self.rank_of(**{**coords, axis: i}) for i in range(self.degrees[axis])]
 

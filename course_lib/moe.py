@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 from course_lib.moe_dispatch import keep_top_scores, permute, unpermute  # lesson 13's exercises
 
 __all__ = ["Routing", "route", "expert_capacity", "keep_top_scores", "load_balancing_loss",
@@ -171,10 +172,11 @@ class MoE(nn.Module):
                  groups: int = 1):
         super().__init__()
         if top_k not in (1, 2) or top_k > num_experts:
-            raise ValueError(f"top_k must be 1 or 2 (and at most num_experts={num_experts}), "
-                             f"got {top_k}")
+            raise ValueError(_("top_k must be 1 or 2 (and at most num_experts={num_experts}), "
+                               "got {top_k}", num_experts=num_experts, top_k=top_k))
         if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive or None, got {capacity_factor}")
+            raise ValueError(_("capacity_factor must be positive or None, got "
+                               "{capacity_factor}", capacity_factor=capacity_factor))
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.normalize = top_k > 1 if normalize is None else normalize
         self.groups = groups  # token groups of one process's batch (routed apart, as ranks are)
@@ -200,10 +202,10 @@ def expert_parallel(moe: MoE, *, dist: Any = None, group: Any = None) -> None:
     dist = default_dist(dist)
     p, r = dist.get_world_size(group), dist.get_rank(group)
     if moe.num_experts % p:
-        raise ValueError(f"expert_parallel: {moe.num_experts} experts do not split over "
-                         f"{p} ranks")
+        raise ValueError(_("expert_parallel: {experts} experts do not split over {p} ranks",
+                           experts=moe.num_experts, p=p))
     if moe.groups != 1:
-        raise ValueError("expert_parallel: each rank's tokens are one group (groups=1)")
+        raise ValueError(_("expert_parallel: each rank's tokens are one group (groups=1)"))
     per = moe.num_experts // p
     moe.experts = nn.ModuleList(list(moe.experts)[r * per:(r + 1) * per])
     moe.dist, moe.group, moe.ep_size, moe.ep_rank = dist, group, p, r
@@ -248,7 +250,8 @@ def moe_forward(moe: MoE, x: torch.Tensor, *,
     route each group, permute, experts (across the ep group), unpermute."""
     tokens = x.reshape(-1, x.shape[-1])
     if len(tokens) % moe.groups:
-        raise ValueError(f"{len(tokens)} tokens do not split into {moe.groups} groups")
+        raise ValueError(_("{n} tokens do not split into {groups} groups", n=len(tokens),
+                           groups=moe.groups))
     routing = Routing.cat([route(moe, g, keep) for g in tokens.tensor_split(moe.groups)])
     rows, order = permute(tokens, routing.expert_index, routing.kept)
     counts = tokens_per_expert(routing.expert_index, routing.kept, moe.num_experts)
@@ -265,7 +268,7 @@ def dense_reference(moe: MoE, x: torch.Tensor, groups: int = 1) -> tuple[torch.T
     weights each by its gate (0 unless chosen and kept), routed in `groups` equal groups of
     tokens, as that many ranks would route them; `moe` must hold every expert."""
     if len(moe.experts) != moe.num_experts:
-        raise ValueError("dense_reference needs the whole layer (every expert)")
+        raise ValueError(_("dense_reference needs the whole layer (every expert)"))
     tokens = x.reshape(-1, x.shape[-1])
     routes = [route(moe, g) for g in tokens.tensor_split(groups)]
     gate = torch.cat([torch.zeros_like(r.probs).scatter(1, r.expert_index, r.weights)

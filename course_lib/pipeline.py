@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from course_lib.i18n import _
 from course_lib.pipeline_split import (Event, bubble_fractions, ideal_bubble, partition,
                                        pipeline_grads, split_sequential)
 from course_lib.pipeline_stage import (ACTIVATION_TAG, DTYPES, GRADIENT_TAG, HEADER_LEN,
@@ -51,8 +52,8 @@ def backward_step(sched: PipelineSchedule, mb: int) -> None:
     """B of micro-batch `mb` on this stage: receive the output's gradient, backward, send on."""
     st = sched.stage
     if mb not in sched.stash:
-        raise RuntimeError(f"stage {st.stage_index}: backward of micro-batch {mb} before "
-                           "its forward")
+        raise RuntimeError(_("stage {stage}: backward of micro-batch {mb} before its forward",
+                             stage=st.stage_index, mb=mb))
     x, out = sched.stash.pop(mb)
     grad = None
     if not st.is_last:
@@ -75,7 +76,8 @@ class PipelineSchedule:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  scale_grads: bool = True):
         if n_microbatches < 1:
-            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+            raise ValueError(_("n_microbatches must be >= 1, got {n_microbatches}",
+                               n_microbatches=n_microbatches))
         self.stage, self.n_microbatches = stage, n_microbatches
         self.loss_fn, self.scale_grads = loss_fn, scale_grads
         self.events: list[Event] = []
@@ -87,8 +89,9 @@ class PipelineSchedule:
 
     def check_order(self, actions: list[tuple[str, int]]) -> None:
         if sorted(actions) != sorted((a, i) for a in "FB" for i in range(self.n_microbatches)):
-            raise ValueError(f"stage {self.stage.stage_index}: order() must run F and B of each "
-                             f"micro-batch once, got {actions}")
+            raise ValueError(_("stage {stage}: order() must run F and B of each micro-batch "
+                               "once, got {actions}", stage=self.stage.stage_index,
+                               actions=actions))
 
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
              losses: list | None = None) -> torch.Tensor | None:
@@ -97,8 +100,9 @@ class PipelineSchedule:
         st = self.stage
         if bool(args) != st.is_first or (target is not None) != st.is_last or \
                 (st.is_last and self.loss_fn is None):
-            raise ValueError(f"stage {st.stage_index}: the batch goes to the first stage and the "
-                             "target (with a loss_fn) to the last, each only there")
+            raise ValueError(_("stage {stage}: the batch goes to the first stage and the target "
+                               "(with a loss_fn) to the last, each only there",
+                               stage=st.stage_index))
         self.inputs = [self._split(a) for a in args]
         self.targets = self._split(target) if st.is_last else None
         self.stash, self.outputs, self.losses, self.events, self._stored = {}, [], losses, [], {}
@@ -114,8 +118,8 @@ class PipelineSchedule:
 
     def _split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if tensor.shape[0] % self.n_microbatches:
-            raise ValueError(f"a batch of {tensor.shape[0]} does not split into "
-                             f"{self.n_microbatches} equal micro-batches")
+            raise ValueError(_("a batch of {n} does not split into {m} equal micro-batches",
+                               n=tensor.shape[0], m=self.n_microbatches))
         return tensor.chunk(self.n_microbatches)
 
     def _forward(self, mb: int) -> None:
@@ -211,5 +215,6 @@ def simulate(order_of: Callable[[int, int, int], list[tuple[str, int]]], m: int,
                 todo[s].pop(0)
                 moved = True
         if not moved:
-            raise ValueError(f"the orders deadlock: next actions {[t[:1] for t in todo]}")
+            raise ValueError(_("the orders deadlock: next actions {actions}",
+                               actions=[t[:1] for t in todo]))
     return events

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from course_lib.i18n import _, ngettext
 from course_lib.pipeline_actions import Action, Schedule
 
 
@@ -68,25 +69,27 @@ def validate(schedule: Schedule) -> None:
         for i, a in enumerate(actions):
             if a.kind not in ("F", "B", "W") or not 0 <= a.mb < m or \
                     not 0 <= a.chunk < schedule.n_chunks:
-                raise ScheduleError(f"stage {s}: {a} is not an action of this schedule",
-                                    ((s, str(a)), (s, str(a))))
+                raise ScheduleError(_("stage {s}: {a} is not an action of this schedule", s=s,
+                                      a=a), ((s, str(a)), (s, str(a))))
             if schedule.placement[a.chunk] != s:
-                raise ScheduleError(f"stage {s} runs {a}, but chunk {a.chunk} is on stage "
-                                    f"{schedule.placement[a.chunk]}",
+                raise ScheduleError(_("stage {s} runs {a}, but chunk {chunk} is on stage "
+                                      "{owner}", s=s, a=a, chunk=a.chunk,
+                                      owner=schedule.placement[a.chunk]),
                                     ((s, str(a)), (schedule.placement[a.chunk], str(a))))
             if a in seen:
-                raise ScheduleError(f"stage {s} runs {a} twice (positions {seen[a]} and {i})",
-                                    ((s, str(a)), (s, str(a))))
+                raise ScheduleError(_("stage {s} runs {a} twice (positions {first} and {i})",
+                                      s=s, a=a, first=seen[a], i=i), ((s, str(a)), (s, str(a))))
             seen[a] = i
             before = _must_precede(a)
             if before is not None and before not in seen and before in actions:
-                raise ScheduleError(f"stage {s}: {a} comes before {before}, which it needs",
-                                    ((s, str(a)), (s, str(before))))
+                raise ScheduleError(_("stage {s}: {a} comes before {before}, which it needs",
+                                      s=s, a=a, before=before), ((s, str(a)), (s, str(before))))
         for c in schedule.chunks_of(s):
             for j in range(m):
                 for kind in ("F", "B"):
                     if Action(kind, j, c) not in seen:
-                        raise ScheduleError(f"stage {s} is missing {Action(kind, j, c)}",
+                        raise ScheduleError(_("stage {s} is missing {action}", s=s,
+                                              action=Action(kind, j, c)),
                                             ((s, str(Action(kind, j, c))),) * 2)
 
 
@@ -152,13 +155,17 @@ def deadlock(schedule: Schedule, todo: Sequence[deque], done: dict) -> ScheduleE
     first = cycle[0]
     action, dep = waits[first]
     if len(cycle) == 1:
-        msg = (f"deadlock: stage {first} waits on itself: its next action {action} needs "
-               f"{dep}, which stage {first} runs later")
+        msg = _("deadlock: stage {first} waits on itself: its next action {action} needs "
+                "{dep}, which stage {first} runs later", first=first, action=action, dep=dep)
     else:
-        chain = " -> ".join(f"stage {t}: {waits[t][0]} waits for {waits[t][1]}" for t in cycle)
+        chain = " -> ".join(_("stage {t}: {action} waits for {dep}", t=t, action=waits[t][0],
+                              dep=waits[t][1]) for t in cycle)
         via = ", ".join(str(t) for t in cycle[1:])
-        msg = (f"deadlock: stage {first} waits on itself through stage{'s' * (len(cycle) > 2)} "
-               f"{via}: {chain}, which stage {first} runs later")
+        msg = ngettext("deadlock: stage {first} waits on itself through stage {via}: {chain}, "
+                       "which stage {first} runs later",
+                       "deadlock: stage {first} waits on itself through stages {via}: {chain}, "
+                       "which stage {first} runs later", len(cycle) - 1, first=first, via=via,
+                       chain=chain)
     return ScheduleError(msg, ((first, str(action)), (schedule.placement[dep.chunk], str(dep))))
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple, Sequence, Union
 
+from course_lib.i18n import _
 from course_lib.pipeline_actions import Action, Schedule
 
 
@@ -205,7 +206,7 @@ def lesson07_programs(schedule: Schedule, prefetch: tuple[str, ...] = ("act",)) 
     is in `prefetch`, compute, post the send; wait for the sends at the end. 07c prefetches
     activations only; `prefetch=("act", "grad")`, gradients too, hangs 1F1B from m = 3."""
     if schedule.chunks_per_stage != 1:
-        raise ValueError("lesson 07c's executor runs one chunk per stage")
+        raise ValueError(_("lesson 07c's executor runs one chunk per stage"))
     m, programs = schedule.n_microbatches, []
     for actions in schedule.stages:
         program: Program = []

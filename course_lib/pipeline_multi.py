@@ -28,6 +28,7 @@ from course_lib.pipeline_actions import Action, Schedule
 from course_lib.pipeline_check import Costs, simulate
 from course_lib.pipeline_comms import Message, Op, Post, Program, Wait
 from course_lib.backend import comm_device, default_dist
+from course_lib.i18n import _
 from course_lib.pipeline_split import split_sequential
 
 WHAT = ("act", "grad")
@@ -39,7 +40,7 @@ def build_model(seed: int, width: int = 4, blocks: int = 8) -> nn.Sequential:
     """The float64 model every check cuts: `blocks` x (Linear(width, width), Tanh)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for _ in range(blocks):
+    for _block in range(blocks):
         layers += [nn.Linear(width, width, dtype=torch.float64), nn.Tanh()]
     return nn.Sequential(*layers)
 
@@ -160,8 +161,9 @@ class Executor:
             if not op.send:
                 got = self.message_of(header)
                 if got != op.message:
-                    raise RuntimeError(f"stage {self.stage}: expected {op.message} from stage "
-                                       f"{op.peer}, got {got} (programs out of order)")
+                    raise RuntimeError(_("stage {stage}: expected {message} from stage {peer}, "
+                                         "got {got} (programs out of order)", stage=self.stage,
+                                         message=op.message, peer=op.peer, got=got))
                 self.inbox[op.message] = tensor
 
     def header(self, msg: Message) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from course_lib import pipeline_comms as comms
+from course_lib.i18n import _
 from course_lib.pipeline_actions import Schedule
 from course_lib.pipeline_check import (Costs, ScheduleError, Timed, bubble_fractions,
                                        idle_times, peak_activations, simulate)
@@ -37,9 +38,10 @@ def check_messages(programs: Sequence[Program]) -> None:
             r = recvs[k] if k < len(recvs) else None
             if s is None or r is None or s.message != r.message:
                 raise ScheduleError(
-                    f"messages out of order from stage {a} to stage {b}: its send #{k + 1} is "
-                    f"{s.message if s else 'missing'}, stage {b}'s receive #{k + 1} expects "
-                    f"{r.message if r else 'nothing'}",
+                    _("messages out of order from stage {a} to stage {b}: its send #{k} is "
+                      "{sent}, stage {b}'s receive #{k} expects {expected}", a=a, b=b, k=k + 1,
+                      sent=s.message if s else _("missing"),
+                      expected=r.message if r else _("nothing")),
                     ((a, str(s) if s else "none"), (b, str(r) if r else "none")))
 
 
@@ -55,11 +57,11 @@ def check_pairs(programs: Sequence[Program]) -> None:
             mine, theirs = comms.pair_sequence(programs, a, b), comms.pair_sequence(programs, b, a)
             k = first_conflict(mine, theirs)
             if k is not None:
-                x = str(mine[k]) if k < len(mine) else "nothing"
-                y = str(theirs[k]) if k < len(theirs) else "nothing"
-                raise ScheduleError(f"stages {a} and {b} do not pair their operation #{k + 1}: "
-                                    f"stage {a} issues {x}, stage {b} issues {y}",
-                                    ((a, x), (b, y)))
+                x = str(mine[k]) if k < len(mine) else _("nothing")
+                y = str(theirs[k]) if k < len(theirs) else _("nothing")
+                raise ScheduleError(_("stages {a} and {b} do not pair their operation #{k}: "
+                                      "stage {a} issues {x}, stage {b} issues {y}", a=a, b=b,
+                                      k=k + 1, x=x, y=y), ((a, x), (b, y)))
 
 
 def check_nccl(programs: Sequence[Program], sends: str = "rendezvous") -> None:
@@ -150,24 +152,26 @@ class NcclSim:
                           self.done]
                 if mine and theirs:
                     return ScheduleError(
-                        f"deadlock under NCCL's order: stage {r} is blocked in "
-                        f"{_ops(mine)} while stage {peer} is blocked in {_ops(theirs)}; each "
-                        f"waits for an operation the other issues later",
+                        _("deadlock under NCCL's order: stage {r} is blocked in {mine} while "
+                          "stage {peer} is blocked in {theirs}; each waits for an operation the "
+                          "other issues later", r=r, mine=_ops(mine), peer=peer,
+                          theirs=_ops(theirs)),
                         ((r, str(mine[0])), (peer, str(theirs[0]))))
         for r, program in enumerate(self.programs):
             if self.pc[r] < len(program):
                 op = next(op for op in program[self.pc[r]].ops if (r, op) not in self.done)
                 mate = self.partner[(r, op)]
                 return ScheduleError(
-                    f"deadlock under NCCL's order: stage {r} waits for {op}, but stage "
-                    f"{op.peer} is stuck before issuing its partner {mate[1]}",
+                    _("deadlock under NCCL's order: stage {r} waits for {op}, but stage {peer} "
+                      "is stuck before issuing its partner {mate}", r=r, op=op, peer=op.peer,
+                      mate=mate[1]),
                     ((r, str(op)), mate[:1] + (str(mate[1]),)))
         r, peer = next(k for k, q in sorted(self.queues.items()) if q)
         op = next(op for op in self.queues[(r, peer)][0].ops if (r, op) not in self.done)
         mate = self.partner[(r, op)]
-        return ScheduleError(f"deadlock under NCCL's order: stage {r}'s {op} never meets its "
-                             f"partner {mate[1]} on stage {peer}", ((r, str(op)), (peer,
-                                                                                  str(mate[1]))))
+        return ScheduleError(_("deadlock under NCCL's order: stage {r}'s {op} never meets its "
+                               "partner {mate} on stage {peer}", r=r, op=op, mate=mate[1],
+                               peer=peer), ((r, str(op)), (peer, str(mate[1]))))
 
 
 def _ops(ops: Sequence[Op]) -> str:

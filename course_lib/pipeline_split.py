@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from course_lib.i18n import _
+
 
 class Event(NamedTuple):
     """One action of one stage: F (forward) or B (backward) of a micro-batch, perf_counter times."""
@@ -34,7 +36,7 @@ def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
     """Idle share of the step for each stage: 1 - busy time / (last end - first start), the
     step's span taken over all stages (the times must share a clock: one host)."""
     if not events:
-        raise ValueError("no events recorded: run step() first")
+        raise ValueError(_("no events recorded: run step() first"))
     span = max(e.end for e in events) - min(e.start for e in events)
     busy: dict[int, float] = {}
     for e in events:
@@ -53,7 +55,8 @@ def partition(costs: Sequence[float], n_stages: int) -> list[range]:
     stage cost; among such splits prefer even ones (less sum of squares; ties: the later cut)."""
     n = len(costs)
     if not 1 <= n_stages <= n:
-        raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages")
+        raise ValueError(_("cannot split {n} layers into {n_stages} non-empty stages", n=n,
+                           n_stages=n_stages))
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -81,11 +84,12 @@ def split_sequential(model: nn.Sequential, n_stages: int,
     """Cut `model` into `n_stages` balanced nn.Sequential stages (sharing its layers), balanced
     by parameter count unless `costs` (one per layer, e.g. measured time) is given."""
     if not isinstance(model, nn.Sequential):
-        raise TypeError(f"expected nn.Sequential, got {type(model).__name__}")
+        raise TypeError(_("expected nn.Sequential, got {kind}", kind=type(model).__name__))
     if costs is None:
         costs = [sum(p.numel() for p in layer.parameters()) for layer in model]
     elif len(costs) != len(model):
-        raise ValueError(f"got {len(costs)} costs for {len(model)} layers")
+        raise ValueError(_("got {costs} costs for {layers} layers", costs=len(costs),
+                           layers=len(model)))
     return [nn.Sequential(*(model[i] for i in r)) for r in partition(costs, n_stages)]
 
 

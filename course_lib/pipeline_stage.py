@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from course_lib.backend import comm_device, default_dist, global_rank
+from course_lib.i18n import _
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 MAX_DIMS = 8
@@ -29,8 +30,9 @@ def make_header(tensor: torch.Tensor, microbatch: int, device: Any = None) -> to
     number of dimensions and the shape padded with zeros to MAX_DIMS, as HEADER_LEN int64 on
     `device` (None: torch's default; a stage passes its `control_device`)."""
     if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-        raise ValueError(f"can only send tensors of <= {MAX_DIMS} dims and dtype in {DTYPES}, "
-                         f"got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        raise ValueError(_("can only send tensors of <= {max_dims} dims and dtype in {dtypes}, "
+                           "got {dtype} of shape {shape}", max_dims=MAX_DIMS, dtypes=DTYPES,
+                           dtype=tensor.dtype, shape=tuple(tensor.shape)))
     dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
     return torch.tensor([DTYPES.index(tensor.dtype), microbatch, tensor.dim(), *dims],
                         device=device, dtype=torch.int64)
@@ -63,11 +65,11 @@ class PipelineStage:
         self.control_device = comm_device(self.dist, group)
         rank, world = self.dist.get_rank(group), self.dist.get_world_size(group)
         if num_stages != world:
-            raise ValueError(f"num_stages={num_stages} but the group has {world} ranks "
-                             "(one stage per rank)")
+            raise ValueError(_("num_stages={num_stages} but the group has {world} ranks (one "
+                               "stage per rank)", num_stages=num_stages, world=world))
         if stage_index != rank:
-            raise ValueError(f"stage_index={stage_index} on group rank {rank}: run stage i on "
-                             "rank i")
+            raise ValueError(_("stage_index={stage_index} on group rank {rank}: run stage i on "
+                               "rank i", stage_index=stage_index, rank=rank))
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.prev = None if self.is_first else global_rank(self.dist, group, stage_index - 1)
@@ -93,8 +95,9 @@ class PipelineStage:
     def error(self, what: str, peer: int, exc: Exception) -> RuntimeError:
         """The error to raise when `what` with rank `peer` failed with `exc`."""
         me = self.dist.get_rank()
-        return RuntimeError(f"pipeline stage {self.stage_index} (rank {me}): {what} with rank "
-                            f"{peer} failed: {exc}")
+        return RuntimeError(_("pipeline stage {stage} (rank {me}): {what} with rank {peer} "
+                              "failed: {exc}", stage=self.stage_index, me=me, what=what,
+                              peer=peer, exc=exc))
 
     # -- what a schedule calls
 
@@ -120,7 +123,8 @@ class PipelineStage:
             works = [self.dist.irecv(header, src, group=self.group, tag=tag),
                      self.dist.irecv(tensor, src, group=self.group, tag=tag)]
         except Exception as exc:
-            raise self.error(f"irecv (tag {tag}) of micro-batch {microbatch}", src, exc) from exc
+            raise self.error(_("irecv (tag {tag}) of micro-batch {microbatch}", tag=tag,
+                               microbatch=microbatch), src, exc) from exc
         self._posted[(src, tag)] = Posted(microbatch, header, tensor, works)
 
     def recv(self, src: int, tag: int, microbatch: int) -> torch.Tensor:
@@ -136,7 +140,7 @@ def stage_send(stage: PipelineStage, tensor: torch.Tensor, dst: int, tag: int,
                microbatch: int) -> None:
     """Start sending header + tensor to `dst` without waiting (`wait_sends` waits)."""
     tensor = tensor.detach().contiguous()
-    what = f"isend (tag {tag}) of micro-batch {microbatch}"
+    what = _("isend (tag {tag}) of micro-batch {microbatch}", microbatch=microbatch, tag=tag)
     try:
         for t in (stage.header(tensor, microbatch), tensor):
             work = stage.dist.isend(t, dst, group=stage.group, tag=tag)
@@ -149,8 +153,9 @@ def stage_send(stage: PipelineStage, tensor: torch.Tensor, dst: int, tag: int,
 def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> torch.Tensor:
     """Receive header + tensor from `src` (or collect what `irecv` posted); check that it is
     the micro-batch we expect."""
-    what = ("activation" if tag == ACTIVATION_TAG else "gradient") + \
-        f" of micro-batch {microbatch}"
+    what = (_("activation of micro-batch {microbatch}", microbatch=microbatch)
+            if tag == ACTIVATION_TAG
+            else _("gradient of micro-batch {microbatch}", microbatch=microbatch))
     posted = stage.take_posted(src, tag)
     try:
         if posted is None:
@@ -165,12 +170,14 @@ def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> tor
             for work in posted.works:
                 work.wait()
     except Exception as exc:
-        raise stage.error(f"recv of {what}", src, exc) from exc
+        raise stage.error(_("recv of {what}", what=what), peer=src, exc=exc) from exc
     got = int(header[1])
     if got != microbatch or (posted is not None and posted.microbatch != microbatch):
-        raise RuntimeError(f"pipeline stage {stage.stage_index}: expected {what} from rank "
-                           f"{src} but got micro-batch {got} (schedules out of step?)")
+        raise RuntimeError(_("pipeline stage {stage}: expected {what} from rank {src} but got "
+                             "micro-batch {got} (schedules out of step?)",
+                             stage=stage.stage_index, what=what, src=src, got=got))
     if posted is not None and not torch.equal(header, stage.header(tensor, microbatch)):
-        raise RuntimeError(f"pipeline stage {stage.stage_index}: {what} from rank {src} has "
-                           "another shape or dtype than the step's first micro-batch")
+        raise RuntimeError(_("pipeline stage {stage}: {what} from rank {src} has another shape "
+                             "or dtype than the step's first micro-batch",
+                             stage=stage.stage_index, what=what, src=src))
     return tensor

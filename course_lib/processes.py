@@ -156,8 +156,10 @@ def run_session(cmd: list[str], timeout: float, what: str,
             pass  # it had just ended by itself
         proc.communicate()
         if isinstance(exc, subprocess.TimeoutExpired):
-            raise RuntimeError(f"{what} did not finish within {timeout:g}s") from None
+            raise RuntimeError(_("{what} did not finish within {timeout:g}s", what=what,
+                                 timeout=timeout)) from None
         raise
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} exited with {proc.returncode}:\n{err[-3000:]}")
+        raise RuntimeError(_("{what} exited with {code}:\n{err}", what=what,
+                             code=proc.returncode, err=err[-3000:]))
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -15,6 +15,7 @@ from typing import Any
 
 from course_lib import checkpoint
 from course_lib.checkpoint import CheckpointError
+from course_lib.i18n import _
 from course_lib.training_state import (Failure, ResumableSampler, _unwrap, get_state_dict,
                                        init_optimizer_state, rng_state, run_with_recovery,
                                        set_rng_state, set_state_dict)
@@ -49,8 +50,9 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
     together still take `global_batch` samples: the global batch, and so training, unchanged."""
     per_step = micro_batch * world_size
     if global_batch % per_step:
-        raise ValueError(f"a global batch of {global_batch} does not split into micro-batches "
-                         f"of {micro_batch} on {world_size} ranks")
+        raise ValueError(_("a global batch of {global_batch} does not split into micro-batches "
+                           "of {micro_batch} on {world_size} ranks", global_batch=global_batch,
+                           micro_batch=micro_batch, world_size=world_size))
     return global_batch // per_step
 
 
@@ -82,7 +84,8 @@ class CheckpointManager:
     def __init__(self, root: str | Path, *, keep: int = 2, dist: Any = None,
                  group: Any = None) -> None:
         if keep < 1:
-            raise ValueError(f"CheckpointManager: keep must be at least 1, got {keep}")
+            raise ValueError(_("CheckpointManager: keep must be at least 1, got {keep}",
+                               keep=keep))
         self.root, self.keep, self.dist, self.group = Path(root), keep, dist, group
         self.skipped: list[str] = []  # why each checkpoint passed over on load was
 

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 
+from course_lib.i18n import _
 from course_lib.rng_seeds import REPLICATED, SHARDED, stream_seed, stream_seeds
 
 __all__ = ["REPLICATED", "SHARDED", "RNGStatesTracker", "get_rng_tracker", "stream_seed",
@@ -59,9 +60,9 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         """A new stream `name` seeded with `seed`; two streams may not share a name or a seed."""
         if name in self._states:
-            raise ValueError(f"RNG stream {name!r} already exists")
+            raise ValueError(_("RNG stream {name} already exists", name=repr(name)))
         if seed in self._seeds.values():
-            raise ValueError(f"seed {seed} is already used by another RNG stream")
+            raise ValueError(_("seed {seed} is already used by another RNG stream", seed=seed))
         self._states[name] = torch.Generator().manual_seed(seed).get_state()
         self._seeds[name] = seed
 
@@ -78,8 +79,8 @@ class RNGStatesTracker:
         """Run the block with torch's default CPU generator set to the stream `name`; afterwards
         the stream keeps what the block drew and the default generator is as it was before."""
         if name not in self._states:
-            raise KeyError(f"RNG stream {name!r} was never added (known: {self.names}); "
-                           "seed the tracker first (seed_streams)")
+            raise KeyError(_("RNG stream {name} was never added (known: {known}); seed the "
+                             "tracker first (seed_streams)", name=repr(name), known=self.names))
         outside = torch.get_rng_state()
         torch.set_rng_state(self._states[name])
         try:

@@ -41,6 +41,7 @@ from course_lib import clip, moe
 from course_lib.backend import comm_device, default_dist
 from course_lib.gpt import (IGNORE_INDEX, CharTokenizer, GPT, aux_loss, load_text,
                             parallelize_blocks, parallelize_sequence, set_activation_checkpointing)
+from course_lib.i18n import _
 from course_lib.layout import ParallelLayout, stage_layers
 from course_lib.precision import DynamicLossScaler, precision_forward
 from course_lib.recovery import CheckpointManager, checkpoints, get_state_dict, set_state_dict
@@ -181,14 +182,14 @@ class RunBase:
             return 0  # a fresh start (before any optimizer state is made up to load into)
         state = self.state(init=True)
         if manager.load_latest(state) is None:
-            raise RuntimeError(f"{manager.root}: no checkpoint there passed its checks: "
-                               + "; ".join(manager.skipped))
+            raise RuntimeError(_("{root}: no checkpoint there passed its checks: {reasons}",
+                                 root=manager.root, reasons="; ".join(manager.skipped)))
         where = next(iter(state["model"]))
         set_state_dict(self.stage, self.optimizer, state["model"][where], state["optim"][where])
         if self.scaler:
             self.scaler.scale, self.scaler.growth_tracker = state["scaler"]
         self.steps_done = state["step"]
-        for _ in range(self.steps_done):  # the sampler's order is a function of seed and epoch
+        for _step in range(self.steps_done):  # the sampler's order is a function of seed and epoch
             next(self.data)
         return self.steps_done
 

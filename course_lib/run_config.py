@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from course_lib.gpt import GPTConfig
+from course_lib.i18n import _
 from course_lib.layout import check_degrees
 from course_lib.precision import PRECISIONS
 
@@ -79,91 +80,110 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     check_degrees(cfg.dp, cfg.tp, cfg.pp, world_size, cfg.cp)
     problems = []
     if cfg.n_embd % cfg.n_head:
-        problems.append(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        problems.append(_("n_embd={n_embd} is not divisible by n_head={n_head}",
+                          n_embd=cfg.n_embd, n_head=cfg.n_head))
     if cfg.n_head % cfg.tp:
-        problems.append(f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}")
+        problems.append(_("n_head={n_head} is not divisible by tp={tp}", n_head=cfg.n_head,
+                          tp=cfg.tp))
     if cfg.n_layer % cfg.pp:
-        problems.append(f"n_layer={cfg.n_layer} is not divisible by pp={cfg.pp}")
+        problems.append(_("n_layer={n_layer} is not divisible by pp={pp}", n_layer=cfg.n_layer,
+                          pp=cfg.pp))
     if cfg.batch_size % (cfg.dp * cfg.micro_batches):
-        problems.append(f"batch_size={cfg.batch_size} is not divisible by dp={cfg.dp} x "
-                        f"micro_batches={cfg.micro_batches}")
+        problems.append(_("batch_size={batch_size} is not divisible by dp={dp} x "
+                          "micro_batches={micro_batches}", batch_size=cfg.batch_size, dp=cfg.dp,
+                          micro_batches=cfg.micro_batches))
     if cfg.zero not in (0, 1, 3):
-        problems.append(f"zero={cfg.zero}: choose 0 (DDP), 1 or 3")
+        problems.append(_("zero={zero}: choose 0 (DDP), 1 or 3", zero=cfg.zero))
     if cfg.zero and cfg.pp > 1:
-        problems.append(f"zero={cfg.zero} with pp={cfg.pp}: ZeRO runs on layouts without a "
-                        "pipeline here")
+        problems.append(_("zero={zero} with pp={pp}: ZeRO runs on layouts without a pipeline "
+                          "here", zero=cfg.zero, pp=cfg.pp))
     for name in ("precision", "reduce_dtype"):
         if getattr(cfg, name) not in PRECISIONS:
-            problems.append(f"{name}={getattr(cfg, name)!r}: choose one of {list(PRECISIONS)}")
+            problems.append(_("{name}={value}: choose one of {choices}", name=name,
+                              value=repr(getattr(cfg, name)), choices=list(PRECISIONS)))
     if cfg.reduce_dtype != "fp32" and (cfg.zero or cfg.pp > 1):
-        problems.append(f"reduce_dtype={cfg.reduce_dtype!r} is DDP's comm hook: it needs "
-                        "zero=0 and pp=1")
+        problems.append(_("reduce_dtype={reduce_dtype} is DDP's comm hook: it needs zero=0 and "
+                          "pp=1", reduce_dtype=repr(cfg.reduce_dtype)))
     if cfg.optimizer not in ("adamw", "sgd"):
-        problems.append(f"optimizer={cfg.optimizer!r}: choose 'adamw' or 'sgd'")
+        problems.append(_("optimizer={optimizer}: choose 'adamw' or 'sgd'",
+                          optimizer=repr(cfg.optimizer)))
     if cfg.lr_schedule not in ("constant", "cosine"):
-        problems.append(f"lr_schedule={cfg.lr_schedule!r}: choose 'constant' or 'cosine'")
+        problems.append(_("lr_schedule={lr_schedule}: choose 'constant' or 'cosine'",
+                          lr_schedule=repr(cfg.lr_schedule)))
     if not 0.0 <= cfg.val_fraction < 1.0:
-        problems.append(f"val_fraction={cfg.val_fraction}: choose a fraction in [0, 1)")
+        problems.append(_("val_fraction={val_fraction}: choose a fraction in [0, 1)",
+                          val_fraction=cfg.val_fraction))
     if cfg.stack not in ("course", "torch"):
-        problems.append(f"stack={cfg.stack!r}: choose 'course' or 'torch'")
+        problems.append(_("stack={stack}: choose 'course' or 'torch'", stack=repr(cfg.stack)))
     if cfg.stack == "torch" and (cfg.reduce_dtype != "fp32" or cfg.tp > 1 and cfg.pp > 1):
-        problems.append(f"stack='torch' runs tp > 1 or pp > 1, not both (got tp={cfg.tp}, "
-                        f"pp={cfg.pp}), and reduces in fp32")
+        problems.append(_("stack='torch' runs tp > 1 or pp > 1, not both (got tp={tp}, "
+                          "pp={pp}), and reduces in fp32", tp=cfg.tp, pp=cfg.pp))
     if cfg.stack == "torch" and cfg.tp > 1 and cfg.zero != (3 if cfg.dp > 1 else 0):
-        problems.append(f"stack='torch' with tp={cfg.tp} composes DTensor's TP with FSDP2 over "
-                        f"dp={cfg.dp}: it needs zero={3 if cfg.dp > 1 else 0} (got zero={cfg.zero})")
+        problems.append(_("stack='torch' with tp={tp} composes DTensor's TP with FSDP2 over "
+                          "dp={dp}: it needs zero={needs} (got zero={zero})", tp=cfg.tp,
+                          dp=cfg.dp, needs=3 if cfg.dp > 1 else 0, zero=cfg.zero))
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
-        problems.append(f"checkpoint_every={cfg.checkpoint_every} needs a checkpoint_dir")
+        problems.append(_("checkpoint_every={checkpoint_every} needs a checkpoint_dir",
+                          checkpoint_every=cfg.checkpoint_every))
     if cfg.checkpoint_dir and cfg.stack == "torch":
-        problems.append("checkpoint_dir: checkpoints of torch's wrappers are DCP's job here")
+        problems.append(_("checkpoint_dir: checkpoints of torch's wrappers are DCP's job here"))
     if (cfg.sample or cfg.eval_every) and cfg.pp > 1:
-        problems.append("sample and eval_every need the whole model on a rank (pp=1)")
+        problems.append(_("sample and eval_every need the whole model on a rank (pp=1)"))
     if cfg.eval_every and not cfg.val_fraction:
-        problems.append(f"eval_every={cfg.eval_every} needs a val_fraction")
+        problems.append(_("eval_every={eval_every} needs a val_fraction",
+                          eval_every=cfg.eval_every))
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
-        problems.append(f"device={cfg.device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        problems.append(_("device={device}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'",
+                          device=repr(cfg.device)))
     elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"device={cfg.device!r}: this torch sees no CUDA device")
+        problems.append(_("device={device}: this torch sees no CUDA device",
+                          device=repr(cfg.device)))
     elif (cfg.precision == "bf16" and run_device(cfg.device).type == "cuda"
           and not torch.cuda.is_bf16_supported()):
-        problems.append("precision='bf16' on a GPU without bf16 (before Ampere): use fp16")
+        problems.append(_("precision='bf16' on a GPU without bf16 (before Ampere): use fp16"))
     if not 0.0 <= cfg.dropout < 1.0:
-        problems.append(f"dropout={cfg.dropout}: choose a probability in [0, 1)")
+        problems.append(_("dropout={dropout}: choose a probability in [0, 1)",
+                          dropout=cfg.dropout))
     if cfg.stack == "torch" and (cfg.dropout or cfg.clip_grad_norm is not None):
-        problems.append("stack='torch': dropout and clip_grad_norm are the course stack's")
+        problems.append(_("stack='torch': dropout and clip_grad_norm are the course stack's"))
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
-        problems.append(f"clip_grad_norm={cfg.clip_grad_norm}: choose a positive norm")
+        problems.append(_("clip_grad_norm={clip_grad_norm}: choose a positive norm",
+                          clip_grad_norm=cfg.clip_grad_norm))
     problems += _long_sequence_problems(cfg)
     if cfg.dp % cfg.ep or cfg.ep > 1 and not cfg.n_expert or cfg.n_expert % cfg.ep:
-        problems.append(f"ep={cfg.ep}: it divides dp={cfg.dp} and n_expert={cfg.n_expert} > 0")
+        problems.append(_("ep={ep}: it divides dp={dp} and n_expert={n_expert} > 0", ep=cfg.ep,
+                          dp=cfg.dp, n_expert=cfg.n_expert))
     if cfg.n_expert and (cfg.top_k not in (1, 2) or cfg.top_k > cfg.n_expert):
-        problems.append(f"top_k={cfg.top_k}: 1 or 2, at most n_expert={cfg.n_expert}")
+        problems.append(_("top_k={top_k}: 1 or 2, at most n_expert={n_expert}", top_k=cfg.top_k,
+                          n_expert=cfg.n_expert))
     if cfg.n_expert and (cfg.tp, cfg.pp, cfg.cp, cfg.zero, cfg.stack, cfg.micro_batches) != (
             1, 1, 1, 0, "course", 1):
-        problems.append("n_expert > 0 runs with tp=1, pp=1, cp=1, zero=0, micro_batches=1 and "
-                        "the course's stack here")
+        problems.append(_("n_expert > 0 runs with tp=1, pp=1, cp=1, zero=0, micro_batches=1 and "
+                          "the course's stack here"))
     if problems:
-        raise ValueError("TrainConfig: " + "; ".join(problems))
+        raise ValueError(_("TrainConfig: {problems}", problems="; ".join(problems)))
 
 
 def _long_sequence_problems(cfg: TrainConfig) -> list[str]:
     """What context parallelism (cp > 1) and sequence parallelism (sp) do not run with here."""
     problems = []
     if cfg.sp and cfg.tp == 1:
-        problems.append("sp=True splits the tensor-parallel regions' norms: it needs tp > 1")
+        problems.append(_("sp=True splits the tensor-parallel regions' norms: it needs tp > 1"))
     if cfg.cp > 1 or cfg.sp:
         what = f"cp={cfg.cp}" if cfg.cp > 1 else "sp=True"
         if cfg.pp > 1:
-            problems.append(f"{what} with pp={cfg.pp}: a pipeline stage would pass a part of "
-                            "each sequence; run it with pp=1")
+            problems.append(_("{what} with pp={pp}: a pipeline stage would pass a part of each "
+                              "sequence; run it with pp=1", what=what, pp=cfg.pp))
         if cfg.stack != "course":
-            problems.append(f"{what}: the course's stack (got stack={cfg.stack!r})")
+            problems.append(_("{what}: the course's stack (got stack={stack})", what=what,
+                              stack=repr(cfg.stack)))
     if cfg.cp > 1 and (cfg.sample or cfg.sample_every):
-        problems.append(f"cp={cfg.cp}: sampling needs every position of a prefix on a rank "
-                        "(cp=1)")
+        problems.append(_("cp={cp}: sampling needs every position of a prefix on a rank (cp=1)",
+                          cp=cfg.cp))
     if cfg.sp and cfg.zero:
-        problems.append(f"sp=True with zero={cfg.zero}: the norms' gradients are summed over tp "
-                        "after backward, where ZeRO has already reduced them; use zero=0")
+        problems.append(_("sp=True with zero={zero}: the norms' gradients are summed over tp "
+                          "after backward, where ZeRO has already reduced them; use zero=0",
+                          zero=cfg.zero))
     return problems
 
 

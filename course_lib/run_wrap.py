@@ -18,6 +18,7 @@ from course_lib import moe
 from course_lib.comm_hooks import bf16_compress_hook
 from course_lib.ddp import DistributedDataParallel, allreduce_grads_bucketed
 from course_lib.gpt import Block
+from course_lib.i18n import _
 from course_lib.pipeline import PipelineStage, Schedule1F1B
 from course_lib.precision import Precision
 from course_lib.run_config import make_optimizer, shard_units
@@ -105,7 +106,7 @@ def wrap_torch(run: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
 
     cfg = run.cfg
     if run.dist is not tdist:
-        raise ValueError("stack='torch' needs torch.distributed as the process group")
+        raise ValueError(_("stack='torch' needs torch.distributed as the process group"))
     from torch.distributed.device_mesh import init_device_mesh
 
     kind = run.device.type  # never FSDP2's default mesh: it picks the accelerator if there is one

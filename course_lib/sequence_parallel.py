@@ -22,6 +22,7 @@ from torch import nn
 
 from course_lib import tensor_parallel as tp
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 from course_lib.rng import REPLICATED, SHARDED
 from course_lib.tp_layers import divide
 
@@ -42,7 +43,7 @@ SEQ_DIM = 1
 def _split(x: torch.Tensor, dim: int, dist: Any, group: Any) -> torch.Tensor:
     """This rank's slice of `x` along `dim` (a copy)."""
     world = dist.get_world_size(group)
-    divide(x.shape[dim], world, f"sequence length (dim {dim})")
+    divide(x.shape[dim], world, _("sequence length (dim {dim})", dim=dim))
     return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
 
 
@@ -57,7 +58,7 @@ def _all_gather(x: torch.Tensor, dim: int, dist: Any, group: Any) -> torch.Tenso
 def _reduce_scatter(x: torch.Tensor, dim: int, dist: Any, group: Any) -> torch.Tensor:
     """This rank's slice along `dim` of the sum over ranks of `x`."""
     world = dist.get_world_size(group)
-    divide(x.shape[dim], world, f"sequence length (dim {dim})")
+    divide(x.shape[dim], world, _("sequence length (dim {dim})", dim=dim))
     parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
@@ -192,8 +193,8 @@ def column_sequence_parallel_forward(layer: "ColumnParallelLinear",
                                      x: torch.Tensor) -> torch.Tensor:
     """x: this rank's slice of the sequence -> this rank's output features, whole sequence."""
     if layer.gather_output:
-        raise ValueError("gather_output=True has no sequence-parallel mode: a column-parallel "
-                         "layer in SP feeds a row-parallel one")
+        raise ValueError(_("gather_output=True has no sequence-parallel mode: a "
+                           "column-parallel layer in SP feeds a row-parallel one"))
     if layer.save_gathered_input:
         whole = gather_from_sequence_parallel(x, layer.dist, layer.group)
         return F.linear(whole, layer.weight, layer.bias)
@@ -204,7 +205,7 @@ def row_sequence_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -
     """x: this rank's input features, whole sequence -> the sum over ranks, this rank's slice
     of the sequence; the bias (marked sequence_parallel) added to the slice."""
     if not layer.input_is_parallel:
-        raise ValueError("input_is_parallel=False has no sequence-parallel mode")
+        raise ValueError(_("input_is_parallel=False has no sequence-parallel mode"))
     y = reduce_scatter_to_sequence_parallel(F.linear(x, layer.weight), layer.dist, layer.group)
     return y + layer.bias if layer.bias is not None else y
 

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from course_lib import backend as backends
+from course_lib.i18n import _
 from course_lib.processes import RankError, end_processes, record
 
 STARTUP_TIMEOUT = 60.0
@@ -87,7 +88,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     `fn` and its arguments must be picklable (a module-level function).
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise ValueError(_("world_size must be a positive int, got {world_size}",
+                           world_size=repr(world_size)))
     backends.check_backend(backend)
     ctx = _context()
     to_parent = ctx.Queue()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.backend import default_dist
+from course_lib.i18n import _
 from course_lib.tp_layers import (ColumnParallel, HeadParallelAttention, ParallelMLP,
                                   RowParallel, divide)
 
@@ -28,7 +29,7 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int,
     """This rank's slice of `tensor` along `dim`; with `parts` > 1 (e.g. packed q, k, v), the
     rank's slice of each of the `parts` equal blocks, concatenated."""
     blocks = tensor.chunk(parts, dim=dim)
-    size = divide(blocks[0].shape[dim], world_size, f"size of dim {dim} per block")
+    size = divide(blocks[0].shape[dim], world_size, _("size of dim {dim} per block", dim=dim))
     return torch.cat([b.narrow(dim, rank * size, size) for b in blocks], dim=dim).clone()
 
 

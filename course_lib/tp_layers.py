@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.backend import default_dist, global_rank
+from course_lib.i18n import _
 from course_lib.rng import REPLICATED, SHARDED, RNGStatesTracker, get_rng_tracker
 
 __all__ = ["divide", "TrackedDropout", "ParallelLinear", "ColumnParallel", "RowParallel", "ParallelMLP",
@@ -39,8 +40,9 @@ __all__ = ["divide", "TrackedDropout", "ParallelLinear", "ColumnParallel", "RowP
 def divide(n: int, world_size: int, what: str) -> int:
     """n // world_size, or a clear error when the split would be uneven."""
     if n % world_size:
-        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel group size "
-                         f"({world_size}); choose sizes that split evenly")
+        raise ValueError(_("{what} ({n}) is not divisible by the tensor-parallel group size "
+                           "({world_size}); choose sizes that split evenly", what=what, n=n,
+                           world_size=world_size))
     return n // world_size
 
 
@@ -100,10 +102,10 @@ class ParallelLinear(nn.Module):
         self.bias = None if b is None else nn.Parameter(b.to(device))
 
     def _initial_slice(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError("a subclass plugs in the initialization (initial_slice)")
+        raise NotImplementedError(_("a subclass plugs in the initialization (initial_slice)"))
 
     def _shard(self, tensor: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-        raise NotImplementedError("a subclass plugs in the slicing (shard)")
+        raise NotImplementedError(_("a subclass plugs in the slicing (shard)"))
 
     def load_full(self, full: nn.Linear) -> None:
         """Take this rank's slice of the unsplit layer `full` (its dtype too)."""
@@ -213,8 +215,9 @@ class ParallelMLP(TrackedDropout, nn.Module):
                      tracker: RNGStatesTracker | None = None) -> "ParallelMLP":
         """This rank's shard of the unsplit MLP `fc2(activation(fc1(x)))`."""
         if fc1.out_features != fc2.in_features:
-            raise ValueError(f"fc1 gives {fc1.out_features} features but fc2 takes "
-                             f"{fc2.in_features}")
+            raise ValueError(_("fc1 gives {out_features} features but fc2 takes "
+                               "{in_features}", out_features=fc1.out_features,
+                               in_features=fc2.in_features))
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             mlp = cls(fc1.in_features, fc1.out_features, activation=activation, dist=dist,
                       group=group, dropout=dropout, tracker=tracker, device=fc1.weight.device)
@@ -243,8 +246,8 @@ class HeadParallelAttention(TrackedDropout, nn.Module):
         super().__init__()
         d = default_dist(dist)
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads "
-                             f"({num_heads})")
+            raise ValueError(_("embed_dim ({embed_dim}) is not divisible by num_heads "
+                               "({num_heads})", embed_dim=embed_dim, num_heads=num_heads))
         self.local_heads = divide(num_heads, d.get_world_size(group), "num_heads")
         self.head_dim = embed_dim // num_heads
         self.embed_dim, self.num_heads, self.causal = embed_dim, num_heads, causal
@@ -261,8 +264,8 @@ class HeadParallelAttention(TrackedDropout, nn.Module):
                    tracker: RNGStatesTracker | None = None) -> "HeadParallelAttention":
         """This rank's heads of a full `nn.MultiheadAttention(batch_first=True)`."""
         if not (mha.batch_first and mha._qkv_same_embed_dim) or mha.bias_k is not None:
-            raise ValueError("expected nn.MultiheadAttention(batch_first=True) with kdim = vdim "
-                             "= embed_dim and no add_bias_kv")
+            raise ValueError(_("expected nn.MultiheadAttention(batch_first=True) with kdim = "
+                               "vdim = embed_dim and no add_bias_kv"))
         has_bias = mha.in_proj_bias is not None
         with torch.random.fork_rng(devices=[]):  # its own initialization is replaced below
             attn = cls(mha.embed_dim, mha.num_heads, has_bias, causal=causal, dist=dist,

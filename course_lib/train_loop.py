@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from course_lib.i18n import _
 from course_lib.processes import run_session
 from course_lib.recovery import CheckpointManager
 from course_lib.run import TrainConfig, check_config, learning_rate
@@ -163,7 +164,8 @@ def watch(cluster: Any, train: Callable[..., dict], cfg: TrainConfig, *,
                         bar.set_postfix(loss=f"{event['loss']:.3f}",
                                         tok_s=f"{event['tokens_per_s']:,.0f}")
                     if "val" in event:
-                        bar.write(f"step {event['step']:5}: validation loss {event['val']:.3f}")
+                        bar.write(_("step {step:5}: validation loss {loss:.3f}",
+                                    step=event["step"], loss=event["val"]))
                     if "sample" in event:
                         bar.write("    " + event["sample"].replace("\n", "\n    "))
                 if not alive:
@@ -173,9 +175,10 @@ def watch(cluster: Any, train: Callable[..., dict], cfg: TrainConfig, *,
     if "error" in done:
         raise done["error"]
     minutes = (time.perf_counter() - start) / 60
-    print(f"rank 0: {last.get('step', 0)} steps in {minutes:.1f} min, last loss "
-          f"{last.get('loss', float('nan')):.3f}, {done['result'][0]['tokens_per_s']:,.0f} "
-          "tokens/s in the steps")
+    print(_("rank 0: {steps} steps in {minutes:.1f} min, last loss {loss:.3f}, "
+            "{tokens_per_s:,.0f} tokens/s in the steps", steps=last.get("step", 0),
+            minutes=minutes, loss=last.get("loss", float("nan")),
+            tokens_per_s=done["result"][0]["tokens_per_s"]))
     return done["result"]
 
 
@@ -270,6 +273,6 @@ def cli_main(argv: list[str] | None, train: Callable[..., dict],
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if result["rank"] == 0:
-        print(f"final loss {result['losses'][-1]:.4f} after {cfg.steps} steps, "
-              f"{result['tokens_per_s']:,.0f} tokens/s")
+        print(_("final loss {loss:.4f} after {steps} steps, {tokens_per_s:,.0f} tokens/s",
+                loss=result["losses"][-1], steps=cfg.steps, tokens_per_s=result["tokens_per_s"]))
     return 0

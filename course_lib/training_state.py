@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from course_lib.data import DistributedSampler
+from course_lib.i18n import _
 from course_lib.rng import get_rng_tracker
 from course_lib.zero import Piece, ZeroRedundancyOptimizer, _units, sharded_state_dict
 from course_lib.cluster import EngineDied
@@ -129,8 +130,9 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if optimizer is None or not optim_state:
         return
     if len(optim_state["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint has {len(optim_state['param_groups'])} parameter "
-                         f"groups, the optimizer {len(optimizer.param_groups)}")
+        raise ValueError(_("the checkpoint has {saved} parameter groups, the optimizer {own}",
+                           saved=len(optim_state["param_groups"]),
+                           own=len(optimizer.param_groups)))
     for g, saved in zip(optimizer.param_groups, optim_state["param_groups"]):
         for k, v in saved.items():
             if k != "params":
@@ -185,8 +187,9 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         if self.position % self.num_replicas:
-            raise ValueError(f"ResumableSampler: position {self.position} is not a multiple "
-                             f"of the {self.num_replicas} ranks (resume at a step boundary)")
+            raise ValueError(_("ResumableSampler: position {position} is not a multiple of the "
+                               "{ranks} ranks (resume at a step boundary)",
+                               position=self.position, ranks=self.num_replicas))
         return iter(list(super().__iter__())[self.position // self.num_replicas:])
 
     def __len__(self) -> int:
@@ -222,7 +225,8 @@ def run_with_recovery(cluster: Any, fn: Callable[..., Any], *args: Any,
     on with the survivors (on_failure="shrink", elastic), then run `fn` again: it must resume
     from its newest checkpoint. Returns the ranks' results and the failures survived."""
     if on_failure not in ("restart", "shrink"):
-        raise ValueError(f'on_failure must be "restart" or "shrink", got {on_failure!r}')
+        raise ValueError(_('on_failure must be "restart" or "shrink", got {on_failure}',
+                           on_failure=repr(on_failure)))
     failures: list[Failure] = []
     while True:
         started = time.monotonic()

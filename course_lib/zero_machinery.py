@@ -28,6 +28,7 @@ from torch import nn
 from course_lib.backend import default_dist, global_rank
 from course_lib.data_parallel import broadcast_coalesced, make_buckets
 from course_lib.grad_bucket import check_same_tensors
+from course_lib.i18n import _
 from course_lib.sharded_state import (Piece, full_state_dict, sharded_state_dict, state_bytes,
                                       storage_bytes)
 from course_lib.sharded_state import units_of  # noqa: F401 - course_lib.zero imports it from here
@@ -61,7 +62,8 @@ def group_rank(dist: Any, group: Any, who: str) -> tuple[int, int]:
     """(this process's rank in `group`, the group's size); an error if it is not a member."""
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"{who}: this process is not a member of the group it was given")
+        raise ValueError(_("{who}: this process is not a member of the group it was given",
+                           who=who))
     return rank, dist.get_world_size(group)
 
 
@@ -135,12 +137,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  bucket_cap_mb: float = 25.0, dist: Any = None, group: Any = None,
                  **optimizer_kwargs: Any) -> None:
         if stage not in (1, 2):
-            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r} "
-                             "(stage 3 is fully_shard)")
+            raise ValueError(_("ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage} "
+                               "(stage 3 is fully_shard)", stage=repr(stage)))
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError("ZeroRedundancyOptimizer: optimizer_class must be a torch.optim."
-                            f"Optimizer class, got {optimizer_class!r}")
+            raise TypeError(_("ZeroRedundancyOptimizer: optimizer_class must be a "
+                              "torch.optim.Optimizer class, got {optimizer_class}",
+                              optimizer_class=repr(optimizer_class)))
         self.dist, self.group, self.stage = default_dist(dist), group, stage
         self.rank, self.world_size = group_rank(self.dist, group, "ZeroRedundancyOptimizer")
         super().__init__(params, optimizer_kwargs)
@@ -158,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.buckets.append(Bucket(params, self.world_size, self.rank, gi))
                 local_groups.append({**self._hyper(g), "params": [self.buckets[-1].shard]})
         if not local_groups:
-            raise ValueError("ZeroRedundancyOptimizer: no parameter requires grad")
+            raise ValueError(_("ZeroRedundancyOptimizer: no parameter requires grad"))
         self.optim = optimizer_class(local_groups)
         self.in_backward, self.next_bucket = False, 0
         self.require_backward_grad_sync = True
@@ -173,8 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.in_backward, self.next_bucket = True, 0
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
         if id(p) in self.bucket_of[id(p)].ready:
-            raise RuntimeError("ZeroRedundancyOptimizer: a parameter got its gradient twice in "
-                               "one backward (reentrant backward is not supported)")
+            raise RuntimeError(_("ZeroRedundancyOptimizer: a parameter got its gradient twice "
+                                 "in one backward (reentrant backward is not supported)"))
         self.grad_ready(p)
 
     def end_of_backward(self) -> None:
@@ -218,9 +221,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "buckets"):
-            raise NotImplementedError("ZeroRedundancyOptimizer: parameters cannot be added "
-                                      "after construction (the shards are laid out then); "
-                                      "build a new one with every parameter")
+            raise NotImplementedError(_("ZeroRedundancyOptimizer: parameters cannot be added "
+                                        "after construction (the shards are laid out then); "
+                                        "build a new one with every parameter"))
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -242,10 +245,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = self.state_dict()
         if (state_dict.get("world_size"), state_dict.get("buckets"), state_dict.get("rank")) != (
                 mine["world_size"], mine["buckets"], mine["rank"]):
-            raise ValueError("ZeroRedundancyOptimizer.load_state_dict: the state was saved with "
-                             f"another layout (world size {state_dict.get('world_size')}, rank "
-                             f"{state_dict.get('rank')}); this is rank {self.rank} of "
-                             f"{self.world_size}")
+            raise ValueError(_("ZeroRedundancyOptimizer.load_state_dict: the state was saved "
+                               "with another layout (world size {saved_world}, rank "
+                               "{saved_rank}); this is rank {rank} of {world_size}",
+                               saved_world=state_dict.get("world_size"),
+                               saved_rank=state_dict.get("rank"), rank=self.rank,
+                               world_size=self.world_size))
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         self.optim.load_state_dict(state_dict["local"])
@@ -281,9 +286,10 @@ class UnitBase:
                 if p is None or getattr(p, "_zero_shard", False):
                     continue
                 if id(p) in owned or getattr(p, "_zero_managed", False):
-                    raise ValueError(f"fully_shard: parameter {name!r} of {type(sub).__name__} is "
-                                     "also used inside another fully_shard unit; shard the "
-                                     "modules that share it together (wrap their common parent)")
+                    raise ValueError(_("fully_shard: parameter {name} of {module} is also used "
+                                       "inside another fully_shard unit; shard the modules that "
+                                       "share it together (wrap their common parent)",
+                                       name=repr(name), module=type(sub).__name__))
                 entries.setdefault(id(p), []).append((sub, name))
                 params[id(p)] = p
         self.managed = list(params.values())
@@ -317,8 +323,8 @@ class UnitBase:
 
     def check_parameters(self) -> None:
         if self._own_parameters() != self._expected_params:
-            raise RuntimeError("fully_shard: the module's parameters changed after it was "
-                               "wrapped; add every parameter before calling fully_shard")
+            raise RuntimeError(_("fully_shard: the module's parameters changed after it was "
+                                 "wrapped; add every parameter before calling fully_shard"))
 
     @property
     def is_root(self) -> bool:

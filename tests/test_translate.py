@@ -10,7 +10,7 @@ import nbformat
 import polib
 import pytest
 
-from course_lib.course import build, translate
+from course_lib.course import build, shown_text, translate
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "lesson_src" / "solutions" / "90_fixture.ipynb"
@@ -31,7 +31,7 @@ def code_tokens(source: str, texts: frozenset[int] = frozenset()) -> list[tuple[
     `texts` (the English's learner-facing literals) reduced to their prefix and fields:
     what a translation may change is the rest of its text."""
     out: list[tuple[int, str]] = []
-    for tok in tokenize.generate_tokens(io.StringIO(translate.code_of(source)).readline):
+    for tok in tokenize.generate_tokens(io.StringIO(shown_text.code_of(source)).readline):
         if tok.type in (tokenize.COMMENT, tokenize.NL):
             continue
         text = tok.string
@@ -46,7 +46,7 @@ def _literal_tokens(source: str) -> frozenset[int]:
     # docstrings too: a student notebook's stub has lost the markers that tell a stub
     starts = {(p.where[0], p.where[2]) for p in translate._literals(source, docstrings=True)}
     found, index = set(), 0
-    for tok in tokenize.generate_tokens(io.StringIO(translate.code_of(source)).readline):
+    for tok in tokenize.generate_tokens(io.StringIO(shown_text.code_of(source)).readline):
         if tok.type in (tokenize.COMMENT, tokenize.NL):
             continue
         if tok.type == tokenize.STRING and any(

@@ -26,10 +26,10 @@ import polib
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from course_lib.course import translate  # noqa: E402
+from course_lib.course import shown_text, translate  # noqa: E402
 
 KNOWN = ROOT / "tests" / "fixtures" / "untranslated.txt"
-PACKAGE = ["course_lib/*.py", "course_lib/dist/*.py", "course_lib/cluster/*.py",
+PACKAGE = ["course_lib/*.py", "course_lib/dist/*.py", "course_lib/mpi/*.py", "course_lib/cluster/*.py",
            "course_lib/course/overlay.py", "course_lib/course/demos/*.py",
            "course_lib/course/bench/*.py"]
 # Words a Spanish text keeps as they are: units, the course's English terms, names.
@@ -61,7 +61,7 @@ def _text(node: ast.expr) -> str:
 
 def shown(source: str) -> list[tuple[str, str]]:
     """(kind, text) of every learner-facing literal of a package module in English."""
-    return [(kind, _text(node)) for node, kind in translate.shown_literals(source)
+    return [(kind, _text(node)) for node, kind in shown_text.shown_literals(source)
             if english(_text(node))]
 
 

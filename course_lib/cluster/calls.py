@@ -43,13 +43,15 @@ def dead_ranks(futures: list, infos: list[dict],
         f = futures[rank] if rank < len(futures) else None
         exc = f.exception() if f is not None and f.ready() else None
         if exc is not None and "EngineError" in (type(exc).__name__, getattr(exc, "ename", "")):
-            dead[rank] = f"engine {info['pid']} on {info['host']} died ({describe(exc)})"
+            dead[rank] = _("engine {pid} on {host} died ({error})", pid=info["pid"],
+                           host=info["host"], error=describe(exc))
         elif info["host"] == local and not running(info["pid"]):
-            dead[rank] = f"engine process {info['pid']} died"
+            dead[rank] = _("engine process {pid} died", pid=info["pid"])
         elif (probe and rank in probe and f is not None and not f.ready()
               and not is_listening(probe[rank], PROBE_SECONDS)):
-            dead[rank] = (f"engine {info['pid']} on {info['host']} is gone (its port "
-                          f"{probe[rank][1]} refuses connections)")
+            dead[rank] = _("engine {pid} on {host} is gone (its port {port} refuses "
+                           "connections)", pid=info["pid"], host=info["host"],
+                           port=probe[rank][1])
     return dead
 
 
@@ -114,8 +116,8 @@ def flight_records(cluster: "Cluster", timeout: float) -> list[dict | None]:
     """Every rank's flight record, asked of each rank's listener (not its kernel, which may be
     busy or stuck); None for a rank that does not answer within `timeout`."""
     if cluster.backend != "scratch":
-        raise ClusterError(f"flight records come from the scratch backend; this cluster "
-                           f"runs {cluster.backend!r}")
+        raise ClusterError(_("flight records come from the scratch backend; this cluster "
+                             "runs {backend!r}", backend=cluster.backend))
     addresses, secret = cluster._rendezvous["addresses"], cluster._rendezvous["secret"]
     n = cluster.world_size
     return [query_record(addresses[r], secret, (r + 1) % n, r, timeout) if n > 1 else

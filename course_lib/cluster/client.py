@@ -66,7 +66,7 @@ class Cluster(RankedEngines):
     def __init__(self, n: int, *, backend: str, engines: str, timeout: float,
                  run_timeout: float, joining: int = 0, **ipp_kwargs: Any):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive number of engines, got {n!r}")
+            raise ValueError(_("n must be a positive number of engines, got {n!r}", n=n))
         launch.check_options(n, backend, engines, timeout, run_timeout, joining, ipp_kwargs)
         self.world_size, self.backend, self.engines = n, backend, engines
         self.joining = joining
@@ -124,11 +124,11 @@ class Cluster(RankedEngines):
         survivors 0..m-1 in their old order and build a new process group among them. Their
         Python state is kept; the world size is now m."""
         if self._stopped:
-            raise ClusterError("shrink: this cluster is stopped")
+            raise ClusterError(_("shrink: this cluster is stopped"))
         if not self._dead:
             raise ClusterError(_("shrink: no rank has died, so there is nothing to drop"))
         if self.backend == "mpi":
-            raise ClusterError("shrink: an MPI world cannot lose ranks; call .restart()")
+            raise ClusterError(_("shrink: an MPI world cannot lose ranks; call .restart()"))
         live = [r for r in range(self.world_size) if r not in self._dead]
         if not live:
             raise ClusterError(_("shrink: every rank has died; call .restart()"))

@@ -20,7 +20,7 @@ import psutil
 
 from course_lib import backend as backends
 from course_lib.processes import Recorded, end_processes
-from course_lib.i18n import LANG_ENV
+from course_lib.i18n import LANG_ENV, _
 
 _STATE: dict[str, Any] = {}  # this engine's rank, world size and backend, once set up
 
@@ -109,7 +109,7 @@ def _session_key() -> bytes:
     shell = get_ipython()
     key = getattr(getattr(getattr(shell, "kernel", None), "session", None), "key", b"")
     if not key:
-        raise RuntimeError("this engine has no ipyparallel key to derive the secret from")
+        raise RuntimeError(_("this engine has no ipyparallel key to derive the secret from"))
     return key
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from course_lib.i18n import _
 from course_lib.processes import ProcessSet
 
 
@@ -33,11 +34,13 @@ def check_connection_file(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             info = json.load(f)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"course.py engines: cannot read the connection file {path}: {exc}")
+        raise SystemExit(_("course.py engines: cannot read the connection file {path}: {exc}",
+                           path=path, exc=exc))
     missing = [k for k in ("key", "registration", "interface") if k not in info]
     if missing:
-        raise SystemExit(f"course.py engines: {path} is not an ipyparallel engine connection "
-                         f"file (no {', '.join(missing)}); copy ipcontroller-*-engine.json")
+        raise SystemExit(_("course.py engines: {path} is not an ipyparallel engine connection "
+                           "file (no {missing}); copy ipcontroller-*-engine.json", path=path,
+                           missing=", ".join(missing)))
     return info
 
 
@@ -53,25 +56,26 @@ def run(count: int, connection_file: str, timeout: float | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        for _ in range(count):
+        for _i in range(count):
             child = subprocess.Popen(engine_command(connection_file), env=env,
                                      stdin=subprocess.DEVNULL)
             procs.add(child.pid)
             children.append(child)
-        print(f"course.py engines: {count} engine(s) started (pids "
-              f"{' '.join(str(c.pid) for c in children)}), joining "
-              f"{info.get('location') or info['interface']}", flush=True)
+        print(_("course.py engines: {count} engine(s) started (pids {pids}), joining {where}",
+                count=count, pids=" ".join(str(c.pid) for c in children),
+                where=info.get("location") or info["interface"]), flush=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(c.poll() is None for c in children):
             if deadline is not None and time.monotonic() > deadline:
-                print("course.py engines: time is up; ending the engines", flush=True)
+                print(_("course.py engines: time is up; ending the engines"), flush=True)
                 return 1
             time.sleep(0.2)
         codes = [c.returncode for c in children]
-        print(f"course.py engines: the engines ended (exit codes {codes})", flush=True)
+        print(_("course.py engines: the engines ended (exit codes {codes})", codes=codes),
+              flush=True)
         return 0
     except KeyboardInterrupt:
-        print("course.py engines: interrupted; ending the engines", flush=True)
+        print(_("course.py engines: interrupted; ending the engines"), flush=True)
         return 130
     finally:
         procs.end(grace=1.0)
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="end the engines after this many seconds (default: never)")
     args = parser.parse_args(argv)
     if args.count < 1:
-        parser.error("count must be at least 1")
+        parser.error(_("count must be at least 1"))
     return run(args.count, args.file, args.timeout)
 
 

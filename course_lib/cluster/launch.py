@@ -27,14 +27,14 @@ def check_options(n: int, backend: str, engines: str, timeout: float, run_timeou
     """ValueError for a cluster that cannot be started as asked, before anything starts."""
     backends.check_backend(backend, engines)
     if not (timeout > 0 and run_timeout > 0):
-        raise ValueError("timeout and run_timeout must be positive seconds")
+        raise ValueError(_("timeout and run_timeout must be positive seconds"))
     if isinstance(joining, bool) or not isinstance(joining, int) or not 0 <= joining <= n:
-        raise ValueError(f"joining must be a number of engines from 0 to n={n}, "
-                         f"got {joining!r}")
+        raise ValueError(_("joining must be a number of engines from 0 to n={n}, got "
+                           "{joining!r}", n=n, joining=joining))
     if joining and ipp_kwargs.get("controller_ip", "127.0.0.1").startswith("127."):
-        raise ValueError("engines joining from other machines need controller_ip: an "
-                         "address of this machine that they reach (or \"0.0.0.0\" with "
-                         "controller_location)")
+        raise ValueError(_("engines joining from other machines need controller_ip: an "
+                           "address of this machine that they reach (or \"0.0.0.0\" with "
+                           "controller_location)"))
 
 
 def launched(ipp_cluster: Any) -> list:

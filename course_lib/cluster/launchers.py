@@ -12,6 +12,7 @@ import psutil
 from ipyparallel.cluster.launcher import LocalControllerLauncher
 
 from course_lib.cluster import zygote
+from course_lib.i18n import _
 
 
 class ForkedControllerLauncher(LocalControllerLauncher):
@@ -20,7 +21,8 @@ class ForkedControllerLauncher(LocalControllerLauncher):
 
     def start(self) -> None:
         if self.state != "before":
-            raise RuntimeError(f"the controller was already started (state {self.state})")
+            raise RuntimeError(_("the controller was already started (state {state})",
+                                 state=self.state))
         argv = self.args[len(self.controller_cmd):]
         env = {**os.environ, **self.get_env()}
         pid = zygote.fork(argv, self.output_file, app="controller", env=env,

@@ -58,7 +58,7 @@ class RankedEngines:
                        watch if self._info[rank]["host"] == local else None, current(),
                        list(STARTUP))
                    for rank, eid in enumerate(self._ids)]
-        calls.gather(self, futures, "setting up engines", self.timeout)
+        calls.gather(self, futures, _("setting up engines"), self.timeout)
         if _in_ipython():
             self._view.activate()  # %%px now runs on these ranks
 
@@ -92,7 +92,7 @@ class RankedEngines:
         timeout = self.timeout
         addresses = calls.gather(self, self._on_all(engine.prepare_backend, self.backend,
                                                     self._location()),
-                                 "opening listening sockets", timeout)
+                                 _("opening listening sockets"), timeout)
         kwargs = backends.rendezvous(self.backend, addresses)
         self._rendezvous, sent = kwargs, kwargs
         key = self._client.session.key
@@ -101,4 +101,5 @@ class RankedEngines:
             self._rendezvous = {**kwargs, "secret": backends.derive_secret(key, nonce)}
             sent = {**kwargs, "secret": None, "nonce": nonce}
         calls.gather(self, self._on_all(engine.init_backend, self.backend, timeout, **sent),
-                     f"initializing the {self.backend!r} process group", timeout + 10)
+                     _("initializing the {backend!r} process group", backend=self.backend),
+                     timeout + 10)

@@ -114,6 +114,8 @@ def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
     "controller", ipcontroller's), with `env` and `cwd` (this process's by default), its output
     appended to `log`; from the shared zygote if there is one, else this process's own.
     Returns its PID."""
+    from course_lib.i18n import _  # here, not at the top: course.py loads this file alone
+
     req = request(argv, log, app=app, env=env, cwd=cwd)
     pid = ask_shared(req, timeout)
     if pid is not None:
@@ -123,13 +125,14 @@ def fork(argv: list[str], log: str, timeout: float = START_TIMEOUT, *,
         proc.stdin.write(json.dumps(req) + "\n")
         proc.stdin.flush()
     except OSError as exc:
-        raise RuntimeError(f"the engine zygote (pid {proc.pid}) is gone: {exc}") from None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        raise RuntimeError(_("the engine zygote (pid {pid}) is gone: {exc}", pid=proc.pid,
+                             exc=exc)) from None
+    ready = select.select([proc.stdout], [], [], timeout)[0]
     line = proc.stdout.readline() if ready else ""
     if not line:
         stop()
-        raise RuntimeError(f"the engine zygote (pid {proc.pid}) did not fork an engine within "
-                           f"{timeout:g}s")
+        raise RuntimeError(_("the engine zygote (pid {pid}) did not fork an engine within "
+                             "{timeout:g}s", pid=proc.pid, timeout=timeout))
     return int(json.loads(line)["pid"])
 
 

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         for lesson in matches:
             written += export(lesson, args.notebook)
     except (FileNotFoundError, BuildError, SyntaxError) as exc:
-        print(f"course.py export: {exc}", file=sys.stderr)
+        print(_("course.py export: {exc}", exc=exc), file=sys.stderr)
         return 1
     for path in written:
         print(_("wrote {path}", path=path))

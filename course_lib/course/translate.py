@@ -13,7 +13,6 @@ its old translation, marked fuzzy, with the old English beside it), and `course.
 
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
 import io
@@ -23,7 +22,9 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
 from course_lib.course.exports import is_exported
+from course_lib.course.shown_text import code_of, shown_literals
 from course_lib.course.paths import ROOT
 
 if TYPE_CHECKING:
@@ -37,18 +38,12 @@ EDITIONS = ("es",)
 PENDING: dict[str, tuple[str, ...]] = {"es": ()}
 # Comments that are markers for tools, not prose: never translated.
 _MARKER = re.compile(r"^(\||#|\s*(NBVAL_|noqa|type:|YOUR CODE HERE|pragma))")  # after the #
+_SOURCE_MARKERS = re.compile(r"^\s*### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\s*$", re.M)
 _FIELD = re.compile(r"\{[^{}]*\}")
-# What a learner reads from code: the arguments of print, a plot's labels, an error's message.
-LABELS = {"set_title", "set_xlabel", "set_ylabel", "suptitle", "title", "xlabel", "ylabel",
-          "set_label", "text", "annotate"}
-LABEL_KEYWORDS = {"label", "title", "xlabel", "ylabel", "suptitle"}
-TRANSLATORS = {"_", "N_", "ngettext"}  # the package's own messages: its catalogues hold them
 KINDS = {"markdown": "markdown cell", "comment": "comment in a code cell",
          "printed": "text a code cell prints", "label": "a plot's title, axis label or legend",
          "error": "an error message a code cell raises",
          "docstring": "the docstring of an exercise's stub"}
-_SOURCE_MARKERS = re.compile(r"^\s*### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\s*$", re.M)
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -82,55 +77,6 @@ def _comments(source: str) -> list[Piece]:
         else:
             pieces.append(Piece("comment", text, (row, row, col, -1)))
     return pieces
-
-
-def code_of(source: str) -> str:
-    """A cell's source as Python: IPython magics and shell lines blanked (lines kept)."""
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                     for line in source.split("\n"))
-
-
-def shown_literals(source: str, docstrings: bool = False) -> list[tuple[ast.expr, str]]:
-    """(string literal, kind) of every text a learner reads when `source` runs: what it prints
-    ("printed"), a plot's title, axis labels and legends ("label"), an error's message
-    ("error"); with `docstrings`, each function's and class's docstring ("docstring"). A
-    literal passed to `_()`, `N_()` or `ngettext()` is the package catalogues'."""
-    try:
-        tree = ast.parse(code_of(source))
-    except SyntaxError:
-        return []
-    found: list[tuple[ast.expr, str]] = []
-
-    def add(node: ast.expr, kind: str) -> None:
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):  # "a " + f"b"
-            add(node.left, kind)
-            add(node.right, kind)
-        elif isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant)
-                                                 and isinstance(node.value, str)):
-            found.append((node, kind))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else \
-                getattr(node.func, "id", "")
-            if name in TRANSLATORS:
-                continue
-            if name == "print":
-                for arg in node.args:
-                    add(arg, "printed")
-            elif name in LABELS and node.args:
-                add(node.args[2] if name in ("text", "annotate") and len(node.args) >= 3
-                    else node.args[0], "label")
-            for kw in node.keywords:
-                if kw.arg in LABEL_KEYWORDS and name != "print":
-                    add(kw.value, "label")
-        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-            add(node.exc.args[0], "error")
-        elif docstrings and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr):
-                add(first.value, "docstring")
-    return found
 
 
 def _column(line: str, byte_offset: int) -> int:
@@ -289,7 +235,7 @@ def lesson_problems(src: Path, lang: str) -> list[str]:
                 lines.append(f"{where}: not translated yet in {po_path.name}")
             elif (_SOURCE_MARKERS.findall(entry.msgid) != _SOURCE_MARKERS.findall(entry.msgstr)):
                 lines.append(f"{where}: the translation must keep the ### BEGIN/END lines")
-            elif piece.kind in KINDS and piece.kind not in ("markdown", "comment") and (
+            elif piece.kind in ("printed", "label", "error") and (  # fields: code, if f-strings
                     sorted(_FIELD.findall(entry.msgid)) != sorted(_FIELD.findall(entry.msgstr))):
                 lines.append(f"{where}: the translation must keep the text's fields, "
                              f"{' '.join(_FIELD.findall(entry.msgid))} (they are code)")

@@ -35,6 +35,7 @@ from course_lib.dist.collective_parts import _run, _wait
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.peer import overlaps
 from course_lib.dist.work import Work
+from course_lib.i18n import _
 
 ALGORITHMS = ("pairwise", "naive")
 
@@ -74,24 +75,26 @@ def check_schedule(world_size: int, peers=pairwise_peers) -> list[str]:
     for s, pairs in enumerate(schedule(p, peers), start=1):
         for r, (to, frm) in enumerate(pairs):
             if not (0 <= to < p and 0 <= frm < p) or r in (to, frm):
-                problems.append(f"round {s}: rank {r} sends to {to} and receives from {frm}: "
-                                f"not another rank of 0..{p - 1}")
+                problems.append(_("round {s}: rank {r} sends to {to} and receives from {frm}: "
+                                  "not another rank of 0..{last}", s=s, r=r, to=to, frm=frm,
+                                  last=p - 1))
                 continue
             sent[r].append(to)
             got[r].append(frm)
             their_frm = pairs[to][1]
             if their_frm != r:
-                problems.append(f"round {s}: rank {r} sends to rank {to}, which receives from "
-                                f"rank {their_frm} in that round: rank {r}'s message waits, and "
-                                f"rank {to} waits for a message rank {their_frm} does not send "
-                                "then")
+                problems.append(_("round {s}: rank {r} sends to rank {to}, which receives "
+                                  "from rank {their_frm} in that round: rank {r}'s message "
+                                  "waits, and rank {to} waits for a message rank {their_frm} "
+                                  "does not send then", s=s, r=r, to=to, their_frm=their_frm))
     for r in range(p):
         others = sorted(set(range(p)) - {r})
         if sorted(sent[r]) != others:
-            problems.append(f"rank {r} sends to {sorted(sent[r])}, not once to each of {others}")
+            problems.append(_("rank {r} sends to {sent}, not once to each of {others}", r=r,
+                              sent=sorted(sent[r]), others=others))
         if sorted(got[r]) != others:
-            problems.append(f"rank {r} receives from {sorted(got[r])}, not once from each of "
-                            f"{others}")
+            problems.append(_("rank {r} receives from {got}, not once from each of {others}",
+                              r=r, got=sorted(got[r]), others=others))
     return problems
 
 
@@ -132,7 +135,8 @@ def _body(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], algor
 
 def _check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"all_to_all algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        raise ValueError(_("all_to_all algorithm must be one of {algorithms}, got {algorithm!r}",
+                           algorithms=ALGORITHMS, algorithm=algorithm))
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:
@@ -149,17 +153,17 @@ def check_lists(output_tensor_list: Sequence[torch.Tensor],
     for what, tensors in (("output_tensor_list", output_tensor_list),
                           ("input_tensor_list", input_tensor_list)):
         if len(tensors) != size:
-            raise ValueError(f"all_to_all: {what} must hold one tensor per rank of the group "
-                             f"({size}), got {len(tensors)}")
+            raise ValueError(_("all_to_all: {what} must hold one tensor per rank of the group "
+                               "({size}), got {n}", what=what, size=size, n=len(tensors)))
     dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
     if len(dtypes) > 1:
-        raise ValueError(f"all_to_all: every tensor must have one dtype, got "
-                         f"{sorted(map(str, dtypes))}")
+        raise ValueError(_("all_to_all: every tensor must have one dtype, got {dtypes}",
+                           dtypes=sorted(map(str, dtypes))))
     mine_in, mine_out = input_tensor_list[group_rank], output_tensor_list[group_rank]
     if mine_in.shape != mine_out.shape:
-        raise ValueError(f"all_to_all: rank {rank}'s own block is "
-                         f"{list(mine_in.shape)} in input_tensor_list but "
-                         f"{list(mine_out.shape)} in output_tensor_list")
+        raise ValueError(_("all_to_all: rank {rank}'s own block is {in_shape} in "
+                           "input_tensor_list but {out_shape} in output_tensor_list", rank=rank,
+                           in_shape=list(mine_in.shape), out_shape=list(mine_out.shape)))
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
@@ -181,16 +185,17 @@ def _splits(sizes: Sequence[int] | None, tensor: torch.Tensor, p: int, what: str
     n = tensor.shape[0] if tensor.dim() else 1
     if sizes is None or len(sizes) == 0:  # torch accepts [] for "even" too
         if n % p:
-            raise ValueError(f"all_to_all_single: {what} has {n} rows, which {p} ranks cannot "
-                             f"split evenly; pass {what}_split_sizes")
+            raise ValueError(_("all_to_all_single: {what} has {n} rows, which {p} ranks cannot "
+                               "split evenly; pass {what}_split_sizes", what=what, n=n, p=p))
         return [n // p] * p
     sizes = [int(s) for s in sizes]
     if len(sizes) != p or min(sizes) < 0:
-        raise ValueError(f"all_to_all_single: {what}_split_sizes must be {p} non-negative ints, "
-                         f"got {sizes}")
+        raise ValueError(_("all_to_all_single: {what}_split_sizes must be {p} non-negative "
+                           "ints, got {sizes}", what=what, p=p, sizes=sizes))
     if sum(sizes) != n:
-        raise ValueError(f"all_to_all_single: {what}_split_sizes {sizes} add up to {sum(sizes)}, "
-                         f"but {what} has {n} rows")
+        raise ValueError(_("all_to_all_single: {what}_split_sizes {sizes} add up to {total}, "
+                           "but {what} has {n} rows", what=what, sizes=sizes, total=sum(sizes),
+                           n=n))
     return sizes
 
 
@@ -201,13 +206,16 @@ def check_single(output: torch.Tensor, input: torch.Tensor,
     """all_to_all_single's argument errors (as `check_lists`); returns (in_sizes, out_sizes),
     the rows of each block of `input` and of `output`."""
     if input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
-        raise ValueError(f"all_to_all_single: input {input.dtype} {list(input.shape)} and output "
-                         f"{output.dtype} {list(output.shape)} must share dtype and trailing dims")
+        raise ValueError(_("all_to_all_single: input {in_dtype} {in_shape} and output "
+                           "{out_dtype} {out_shape} must share dtype and trailing dims",
+                           in_dtype=input.dtype, in_shape=list(input.shape),
+                           out_dtype=output.dtype, out_shape=list(output.shape)))
     in_sizes = _splits(input_split_sizes, input, size, "input")
     out_sizes = _splits(output_split_sizes, output, size, "output")
     if in_sizes[group_rank] != out_sizes[group_rank]:
-        raise ValueError(f"all_to_all_single: rank {rank} keeps {in_sizes[group_rank]} rows of "
-                         f"its input but expects {out_sizes[group_rank]}")
+        raise ValueError(_("all_to_all_single: rank {rank} keeps {kept} rows of its input but "
+                           "expects {expected}", rank=rank, kept=in_sizes[group_rank],
+                           expected=out_sizes[group_rank]))
     return in_sizes, out_sizes
 
 

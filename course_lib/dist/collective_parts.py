@@ -18,6 +18,7 @@ import torch
 
 from course_lib.dist.group import ProcessGroup, ReduceOp, resolve
 from course_lib.dist.work import Work
+from course_lib.i18n import _
 
 
 def _run(group: ProcessGroup | None, name: str, async_op: bool,
@@ -46,10 +47,11 @@ def check_host(tensors: Sequence[torch.Tensor | None], name: str) -> None:
     EFAULT deep in a link. GPU tensors travel over NCCL (or gloo, which stages them)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise TypeError(f"{name}: course_lib.dist moves host memory, and this tensor is on "
-                            f"{t.device}: pass CPU tensors (t.cpu(), then copy the result back), "
-                            f'or use torch.distributed with backend "nccl" or '
-                            f'"cpu:gloo,cuda:nccl" for GPU tensors')
+            raise TypeError(_("{name}: course_lib.dist moves host memory, and this tensor is "
+                              "on {device}: pass CPU tensors (t.cpu(), then copy the result "
+                              'back), or use torch.distributed with backend "nccl" or '
+                              '"cpu:gloo,cuda:nccl" for GPU tensors', name=name,
+                              device=t.device))
 
 
 def check_op(op) -> ReduceOp:
@@ -59,7 +61,7 @@ def check_op(op) -> ReduceOp:
     name = str(op).rsplit(".", 1)[-1].upper()
     if name in ReduceOp.__members__:
         return ReduceOp[name]
-    raise TypeError(f"op must be a course_lib.dist.ReduceOp, got {op!r}")
+    raise TypeError(_("op must be a course_lib.dist.ReduceOp, got {op!r}", op=op))
 
 
 # In place, by op. Tensor methods themselves where they fit: this runs for every message a
@@ -109,9 +111,12 @@ def _wait(works: Sequence[Work]) -> None:
 def check_list(tensors: Sequence[torch.Tensor] | None, like: torch.Tensor, p: int,
                 what: str) -> None:
     if tensors is None or len(tensors) != p:
-        raise ValueError(f"{what} must hold one tensor per rank of the group ({p})")
+        raise ValueError(_("{what} must hold one tensor per rank of the group ({p})", what=what,
+                           p=p))
     check_host(tensors, what)
     for t in tensors:
         if t.shape != like.shape or t.dtype != like.dtype:
-            raise ValueError(f"{what}: every tensor must be {like.dtype} {list(like.shape)}, "
-                             f"got {t.dtype} {list(t.shape)}")
+            raise ValueError(_("{what}: every tensor must be {dtype} {shape}, got {got_dtype} "
+                               "{got_shape}", what=what, dtype=like.dtype,
+                               shape=list(like.shape), got_dtype=t.dtype,
+                               got_shape=list(t.shape)))

@@ -39,6 +39,7 @@ from course_lib.dist.rooted import broadcast, gather, reduce, scatter
 from course_lib.dist.tuned import (ALGORITHMS, AUTO_TREE_MAX_BYTES, set_all_reduce_table,
                                    table_choice)
 from course_lib.dist.work import Work
+from course_lib.i18n import _
 
 __all__ = ["SEGMENT_BYTES", "AUTO_TREE_MAX_BYTES", "ALGORITHMS", "check_op", "reduce_", "reducer",
     "broadcast", "reduce", "check_list", "gather", "scatter", "ring_reduce_scatter_",
@@ -241,7 +242,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     op = check_op(op)
     check_host([tensor], "all_reduce")  # before the algorithm looks at its memory
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        raise ValueError(_("algorithm must be one of {algorithms}, got {algorithm!r}",
+                           algorithms=ALGORITHMS, algorithm=algorithm))
     group = resolve(group, "all_reduce")
     if algorithm == "auto":
         algorithm = tuned.choose(group, tensor)

@@ -44,7 +44,7 @@ class FrameReader:
                 raise
             return None
         if via_shm and self.region is None:
-            raise ProtocolError("shared-memory frame on a link without shared memory")
+            raise ProtocolError(_("shared-memory frame on a link without shared memory"))
         # The sender has started this frame: allow it time to finish (a full timeout if the
         # reader's own deadline is close; the same deadline saves re-arming it).
         now = time.monotonic()
@@ -91,15 +91,16 @@ class FrameReader:
     def _broken(self, name: str, exc: Exception) -> None:
         """The stream broke while `name` read it: the link is dead, and the group with it."""
         if isinstance(exc, WireTimeout):
-            reason = "timed out in the middle of a message"
+            reason = _("timed out in the middle of a message")
         elif isinstance(exc, PeerClosed):
             reason = self.peer.dead or str(exc)
         elif isinstance(exc, ProtocolError):
             log.warning("rank %d: closing the connection to rank %d: malformed frame (%s)",
                         self.peer.rank, self.peer.peer_rank, exc)
-            reason = f"malformed frame ({exc})"
+            reason = _("malformed frame ({error})", error=exc)
         else:
-            reason = self.peer.dead or f"connection lost ({exc.strerror or exc})"
+            reason = self.peer.dead or _("connection lost ({error})",
+                                         error=exc.strerror or exc)
         self.peer.fatal(name, "recv from", reason)
 
 

@@ -67,7 +67,8 @@ def set_debug_level(level: str) -> None:
     TORCH_DISTRIBUTED_DEBUG=DETAIL does); "OFF" or "INFO" does not. Call it on every rank."""
     global _detail
     if str(level).upper() not in ("OFF", "INFO", "DETAIL"):
-        raise ValueError(f"debug level must be OFF, INFO or DETAIL, got {level!r}")
+        raise ValueError(_("debug level must be OFF, INFO or DETAIL, got {level!r}",
+                           level=level))
     _detail = str(level).upper() == "DETAIL"
     for g in _groups:
         g.detail = _detail
@@ -81,7 +82,7 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
     """Open this rank's listening socket (loopback unless told otherwise); returns its address."""
     global _listener
     if _world is not None:
-        raise RuntimeError("listen() must come before init_process_group()")
+        raise RuntimeError(_("listen() must come before init_process_group()"))
     if _listener is not None:
         _listener.close()
     _listener = Listener(host, port)
@@ -95,22 +96,26 @@ def init_process_group(backend: str = "scratch", *, rank: int, world_size: int,
     """Connect to every other rank (each link authenticated with `secret`); sets the world."""
     global _listener, _world, _detail
     if backend != "scratch":
-        raise ValueError(f"course_lib.dist only has the 'scratch' backend, got {backend!r}")
+        raise ValueError(_("course_lib.dist only has the 'scratch' backend, got {backend!r}",
+                           backend=backend))
     if _world is not None:
-        raise RuntimeError("the process group is already initialized; destroy it first")
+        raise RuntimeError(_("the process group is already initialized; destroy it first"))
     if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, "
-                         f"world_size={world_size!r}")
+        raise ValueError(_("need 0 <= rank < world_size, got rank={rank!r}, "
+                           "world_size={world_size!r}", rank=rank, world_size=world_size))
     if world_size > 1:
         if _listener is None:
-            raise RuntimeError("call dist.listen() first and pass every rank's address")
+            raise RuntimeError(_("call dist.listen() first and pass every rank's address"))
         if addresses is None or len(addresses) != world_size:
-            raise ValueError(f"addresses must list one (host, port) per rank ({world_size})")
+            raise ValueError(_("addresses must list one (host, port) per rank ({world_size})",
+                               world_size=world_size))
         if tuple(addresses[rank])[1] != _listener.address[1]:
-            raise ValueError(f"addresses[{rank}]={addresses[rank]} is not this rank's listener "
-                             f"{_listener.address}")
+            raise ValueError(_("addresses[{rank}]={address} is not this rank's listener "
+                               "{listener}", rank=rank, address=addresses[rank],
+                               listener=_listener.address))
         if not isinstance(secret, bytes) or len(secret) < 16:
-            raise ValueError("secret must be at least 16 random bytes shared by the cluster")
+            raise ValueError(_("secret must be at least 16 random bytes shared by the "
+                               "cluster"))
     listener, _listener = _listener or Listener(), None
     transport = Transport(rank, world_size, list(addresses or [listener.address]),
                           secret or b"", seconds(timeout), listener)
@@ -189,8 +194,9 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     """The global rank of `group`'s member number `group_rank` (torch.distributed's name)."""
     group = resolve_any(group, "get_global_rank")
     if not isinstance(group_rank, int) or not 0 <= group_rank < group.size:
-        raise ValueError(f"get_global_rank: group_rank {group_rank!r} is not in [0, {group.size})"
-                         f" for {group!r}")
+        raise ValueError(_("get_global_rank: group_rank {group_rank!r} is not in [0, {size}) "
+                           "for {group!r}", group_rank=group_rank, size=group.size,
+                           group=group))
     return group.ranks[group_rank]
 
 

@@ -26,6 +26,7 @@ from hashlib import sha256
 from course_lib.dist.errors import ProtocolError
 from course_lib.dist.stream import send_frame
 from course_lib.dist.wire import recv_exact
+from course_lib.i18n import _
 
 HELLO = struct.Struct("<8sII32s")  # magic, connecting rank, rank it expects to reach, nonce
 HELLO_MAGIC = b"CDSTHI01"
@@ -54,26 +55,31 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, peer_rank: i
     reply = _read(sock, 64, deadline)
     nonce, proof = reply[:32], reply[32:]
     if not hmac.compare_digest(proof, _mac(secret, b"listener", hello, nonce)):
-        raise ProtocolError(f"rank {peer_rank} did not prove it knows the cluster secret")
+        raise ProtocolError(_("rank {peer_rank} did not prove it knows the cluster secret",
+                              peer_rank=peer_rank))
     _send(sock, _mac(secret, b"connector", hello, nonce), deadline)
     if _read(sock, 1, deadline) != ACK:
-        raise ProtocolError(f"rank {peer_rank} did not acknowledge the handshake")
+        raise ProtocolError(_("rank {peer_rank} did not acknowledge the handshake",
+                              peer_rank=peer_rank))
 
 
 def server_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int,
                      deadline: float) -> int:
     """Listening side: check the hello and the connector's proof; return the connector's rank."""
     hello = _read(sock, HELLO.size, deadline)
-    magic, peer_rank, expected, _ = HELLO.unpack(hello)
+    magic, peer_rank, expected, _nonce = HELLO.unpack(hello)
     if magic != HELLO_MAGIC:
-        raise ProtocolError(f"not a course_lib.dist hello (first bytes {hello[:8]!r})")
+        raise ProtocolError(_("not a course_lib.dist hello (first bytes {first!r})",
+                              first=hello[:8]))
     if expected != rank or not 0 <= peer_rank < world_size or peer_rank == rank:
-        raise ProtocolError(f"hello claims rank {peer_rank} -> {expected}; this is rank {rank} "
-                            f"of {world_size}")
+        raise ProtocolError(_("hello claims rank {peer_rank} -> {expected}; this is rank "
+                              "{rank} of {world_size}", peer_rank=peer_rank, expected=expected,
+                              rank=rank, world_size=world_size))
     nonce = os.urandom(32)
     _send(sock, nonce + _mac(secret, b"listener", hello, nonce), deadline)
     proof = _read(sock, 32, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"connector", hello, nonce)):
-        raise ProtocolError(f"connection claiming rank {peer_rank} failed the HMAC challenge")
+        raise ProtocolError(_("connection claiming rank {peer_rank} failed the HMAC challenge",
+                              peer_rank=peer_rank))
     _send(sock, ACK, deadline)
     return peer_rank

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from course_lib.dist.work import What, Work, seconds
+from course_lib.i18n import _
 
 POSTED, FILLING, DONE = range(3)
 
@@ -33,7 +34,7 @@ class RecvRequest(Work):
                  combine: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
         super().__init__(deadline, what)
         if combine is not None and not target.is_contiguous():
-            raise ValueError("a combining receive needs a contiguous target")
+            raise ValueError(_("a combining receive needs a contiguous target"))
         self.target, self.tag, self.combine = target, tag, combine
         self.buffer = target if target.is_contiguous() else torch.empty_like(
             target, memory_format=torch.contiguous_format)

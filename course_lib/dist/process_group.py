@@ -81,7 +81,8 @@ class ProcessGroup:
 
     def p2p_tag(self, tag: int) -> int:
         if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tag must be an int in [0, {MAX_TAG}], got {tag!r}")
+            raise ValueError(_("tag must be an int in [0, {max_tag}], got {tag!r}",
+                               max_tag=MAX_TAG, tag=tag))
         return (self.id << 32) | tag
 
     def peer(self, group_rank: int, name: str) -> Peer:

@@ -219,7 +219,7 @@ class Receiver(FrameReader):
         if target is not None and target.state != DONE:  # it was being filled when the link died
             with self.lock:
                 target.complete(self.peer.error(target.what.name, "recv from",
-                                                self.peer.dead or "link lost"))
+                                                self.peer.dead or _("link lost")))
 
 
     def fail(self, reason: str) -> None:

@@ -35,6 +35,7 @@ import torch
 from course_lib.dist.errors import ProtocolError
 from course_lib.dist.stream import PeerClosed, WireTimeout, byte_view, send_parts, try_send
 from course_lib.dist.wire import recv_exact
+from course_lib.i18n import _
 
 SPIN_SECONDS = 50e-6  # spinning holds the GIL: long enough for a reply on its way, no more
 YIELD_SECONDS = 1e-3  # then poll between yields: longer than the gap between slot doorbells
@@ -251,9 +252,10 @@ class RingStream:
         except (BlockingIOError, InterruptedError):
             return
         if not data:
-            raise PeerClosed("peer closed the connection")
+            raise PeerClosed(_("peer closed the connection"))
         if data.strip(b"\x01"):
-            raise ProtocolError("bytes other than wake-ups on a shared-memory link's socket")
+            raise ProtocolError(_("bytes other than wake-ups on a shared-memory link's "
+                                  "socket"))
 
 
 def pause(sock: socket.socket, deadline: float, delay: float,
@@ -275,7 +277,7 @@ def check_peer(sock: socket.socket) -> None:
     """Raise PeerClosed if the peer has closed the socket (without consuming anything)."""
     try:
         if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-            raise PeerClosed("peer closed the connection")
+            raise PeerClosed(_("peer closed the connection"))
     except BlockingIOError:
         pass
 

@@ -12,13 +12,15 @@ from course_lib.dist.collective_parts import (_average, _flat, _run, _wait, _wri
                                               check_host, check_list, check_op, reduce_)
 from course_lib.dist.group import ProcessGroup, ReduceOp
 from course_lib.dist.work import Work
+from course_lib.i18n import _
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False, *, algorithm: str = "tree") -> Work | None:
     """Copy rank `src`'s tensor to every rank: "naive" (src sends p-1 times) or binomial "tree"."""
     if algorithm not in ("naive", "tree"):
-        raise ValueError(f"broadcast algorithm must be 'naive' or 'tree', got {algorithm!r}")
+        raise ValueError(_("broadcast algorithm must be 'naive' or 'tree', got {algorithm!r}",
+                           algorithm=algorithm))
     name = f"broadcast({algorithm})"
 
     def body(g: ProcessGroup, tag: int) -> None:

@@ -172,7 +172,8 @@ class Sender:
             work.finish(self.peer.error(name, "send to", reason, timeout=True))
             return
         except OSError as exc:
-            reason = self.peer.dead or f"connection lost ({exc.strerror or exc})"
+            reason = self.peer.dead or _("connection lost ({error})",
+                                         error=exc.strerror or exc)
             self.peer.fatal(name, "send to", reason)
             item.parts = []
             work.finish(self.peer.error(name, "send to", reason))

@@ -13,6 +13,7 @@ from course_lib.dist.collectives import all_gather
 from course_lib.dist.group import ProcessGroup, resolve
 from course_lib.dist.symmetric import allocate
 from course_lib.dist.wire import DTYPE_CODE
+from course_lib.i18n import _
 
 
 def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
@@ -23,12 +24,12 @@ def shared_zeros(size: int, *, dtype: torch.dtype = torch.float32,
     place. Collective: every rank must pass the same size and dtype."""
     g = resolve(group, "shared_zeros")
     if isinstance(size, bool) or not hasattr(size, "__index__"):
-        raise TypeError(f"shared_zeros: size is a number of elements (the buffer is 1-D), got "
-                        f"{size!r}")
+        raise TypeError(_("shared_zeros: size is a number of elements (the buffer is 1-D), "
+                          "got {size!r}", size=size))
     size = operator.index(size)
     if size < 0 or dtype not in DTYPE_CODE:
-        raise ValueError(f"shared_zeros: needs a size >= 0 and a dtype of the wire's, got "
-                         f"{size} and {dtype}")
+        raise ValueError(_("shared_zeros: needs a size >= 0 and a dtype of the wire's, got "
+                           "{size} and {dtype}", size=size, dtype=dtype))
     buf = allocate(g, size, dtype, "shared_zeros", lambda t: _all_gather(g, t))
     if buf is None:
         return torch.zeros(size, dtype=dtype)

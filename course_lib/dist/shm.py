@@ -34,6 +34,7 @@ from course_lib.dist import ring
 from course_lib.dist.errors import ProtocolError
 from course_lib.dist.stream import send_parts
 from course_lib.dist.wire import FLAG_SHM, recv_exact, with_flags
+from course_lib.i18n import _
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4
@@ -110,7 +111,7 @@ def map_file(name: str, nbytes: int, create: bool, writable: bool = True) -> mma
             # ENOSPC, instead of killing the process with SIGBUS on its first write.
             os.posix_fallocate(fd, 0, nbytes)
         elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"shared memory file {name} has the wrong size")
+            raise OSError(_("shared memory file {name} has the wrong size", name=name))
         # Map every page now, on both ends: a fresh link's first messages would otherwise
         # take a page fault per 4 KiB (MPI and NCCL touch their buffers at setup too).
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -150,7 +151,7 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
         recv_exact(sock, memoryview(offer), deadline)
         magic, name, ring_wanted = OFFER.unpack(offer)
         if magic != OFFER_MAGIC:
-            raise ProtocolError("bad shared-memory offer")
+            raise ProtocolError(_("bad shared-memory offer"))
         name = name.rstrip(b"\0")
         incoming = None
         if name and is_name(name) and enabled():
@@ -259,7 +260,7 @@ def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
         stream.recv_exact(memoryview(bell), deadline, soon=True)
         i = bell[0] - DOORBELL
         if not 0 <= i < SLOTS or not region.busy(i):
-            raise ProtocolError("bad shared-memory doorbell")
+            raise ProtocolError(_("bad shared-memory doorbell"))
         n = min(SLOT_BYTES, nbytes - start)
         if target is not None and combine is not None:
             combine(flat[start // size:(start + n) // size], region.slot(i, n).view(target.dtype))

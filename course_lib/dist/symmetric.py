@@ -102,7 +102,7 @@ class SharedBuffer:
             try:
                 ring.check_peer(peer.receiver.sock)
             except PeerClosed:
-                raise peer.error(name, "from", "peer closed the connection") from None
+                raise peer.error(name, "from", _("peer closed the connection")) from None
             time.sleep(nap)
             nap = min(2 * nap, NAP_SECONDS[1])
 
@@ -138,8 +138,9 @@ class Staging:
         code = DTYPE_CODE.get(flat.dtype)
         if code is None:  # before any communication: every rank raises, still in step
             self.done = turn
-            raise TypeError(f"rank {self.group.transport.rank}: {name}: dtype {flat.dtype} has no "
-                            f"number on the wire; supported: {DTYPES}")
+            raise TypeError(_("rank {rank}: {name}: dtype {dtype} has no number on the wire; "
+                              "supported: {dtypes}", rank=self.group.transport.rank, name=name,
+                              dtype=flat.dtype, dtypes=DTYPES))
         what = flat.numel() << 8 | code
         peer = None
         try:
@@ -272,8 +273,10 @@ def allocate(g: ProcessGroup, size: int, dtype: torch.dtype, name: str,
         differ = [g.ranks[i] for i, info in enumerate(infos)
                   if not torch.equal(info[1:16], infos[0][1:16])]
         if differ:
-            raise ValueError(f"rank {g.transport.rank}: {name}: ranks {differ} asked for a "
-                             f"size or dtype other than rank {g.ranks[0]}'s ({size}, {dtype} here)")
+            raise ValueError(_("rank {rank}: {name}: ranks {differ} asked for a size or dtype "
+                               "other than rank {first}'s ({size}, {dtype} here)",
+                               rank=g.transport.rank, name=name, differ=differ,
+                               first=g.ranks[0], size=size, dtype=dtype))
         maps = _map_all(g, infos, nbytes, own) if size and all(int(i[0]) for i in infos) else None
         oks = gather(torch.tensor([maps is not None], dtype=torch.uint8))
     finally:

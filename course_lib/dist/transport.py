@@ -27,6 +27,7 @@ from course_lib.dist.handshake import client_handshake, server_handshake
 from course_lib.dist.stream import send_frame
 from course_lib.dist.wire import (ABORT_TAG, HEADER, byte_view, decode_header, encode_header,
                                   recv_exact)
+from course_lib.i18n import _
 
 log = logging.getLogger("course_lib.dist")
 SOCKET_BUFFER = 4 << 20  # bytes; Linux doubles it, capped by net.core.[rw]mem_max
@@ -47,7 +48,8 @@ def port_range() -> range | None:
     except ValueError:
         lo = hi = -1
     if not 0 < lo <= hi < 65536:
-        raise ValueError(f"{PORTS_ENV} must be two ports 'lo-hi', got {spec!r}")
+        raise ValueError(_("{env} must be two ports 'lo-hi', got {spec!r}", env=PORTS_ENV,
+                           spec=spec))
     return range(lo, hi + 1)
 
 
@@ -65,7 +67,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
             sock.close()
             if ports is None:
                 raise
-    raise OSError(f"no free port in {PORTS_ENV}={os.environ[PORTS_ENV]} on {host}")
+    raise OSError(_("no free port in {env}={ports} on {host}", env=PORTS_ENV,
+                    ports=os.environ[PORTS_ENV], host=host))
 
 
 def _tune(sock: socket.socket) -> socket.socket:
@@ -173,7 +176,8 @@ def query_record(address: tuple[str, int], secret: bytes, as_rank: int, peer_ran
             recv_exact(sock, memoryview(header), deadline)
             tag, dtype, shape, nbytes = decode_header(header)
             if tag != RECORD_TAG or dtype != torch.uint8 or nbytes > MAX_RECORD_BYTES:
-                raise ProtocolError(f"not a flight record (tag {tag}, {nbytes} bytes)")
+                raise ProtocolError(_("not a flight record (tag {tag}, {nbytes} bytes)",
+                                      tag=tag, nbytes=nbytes))
             data = bytearray(nbytes)
             recv_exact(sock, memoryview(data), deadline)
             return json.loads(data)
@@ -204,17 +208,19 @@ class Transport:
                     client_handshake(sock, secret, rank, peer_rank, deadline)
                     self._add(peer_rank, _tune(sock), deadline)
                 except (OSError, ProtocolError) as exc:
-                    raise DistError(f"rank {rank}: init_process_group connect to rank "
-                                    f"{peer_rank} at {addresses[peer_rank]} failed: "
-                                    f"{exc or type(exc).__name__}", rank=rank,
+                    raise DistError(_("rank {rank}: init_process_group connect to rank "
+                                      "{peer_rank} at {address} failed: {error}", rank=rank,
+                                      peer_rank=peer_rank, address=addresses[peer_rank],
+                                      error=exc or type(exc).__name__), rank=rank,
                                     peer_rank=peer_rank, operation="init_process_group") from None
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self.peers) == world_size - 1,
                                            max(0.0, deadline - time.monotonic())):
                     missing = sorted(set(range(world_size)) - set(self.peers) - {rank})
-                    raise DistTimeoutError(
-                        f"rank {rank}: init_process_group failed: timed out after {timeout:g}s "
-                        f"waiting for rank(s) {missing} to connect", rank=rank,
+                    raise DistTimeoutError(_(
+                        "rank {rank}: init_process_group failed: timed out after {timeout:g}s "
+                        "waiting for rank(s) {missing} to connect", rank=rank, timeout=timeout,
+                        missing=missing), rank=rank,
                         peer_rank=missing[0], operation="init_process_group")
                 self._ready = True
         except BaseException:

@@ -26,6 +26,7 @@ import torch
 
 from course_lib.dist import symmetric
 from course_lib.dist.group import ProcessGroup, resolve
+from course_lib.i18n import _
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -67,8 +68,8 @@ def all_reduce_shared(g: ProcessGroup, flat: torch.Tensor, combine: Combine, tag
     """A buffer from `dist.shared_zeros`: each rank reads its peers' copies in place."""
     buf = symmetric.holds(g, flat)
     if buf is None:
-        raise ValueError(f"rank {g.transport.rank}: {name}: the tensor is not a whole buffer "
-                         "from dist.shared_zeros on this group")
+        raise ValueError(_("rank {rank}: {name}: the tensor is not a whole buffer from "
+                           "dist.shared_zeros on this group", rank=g.transport.rank, name=name))
     buf.all_reduce_(combine, name)
 
 
@@ -76,8 +77,9 @@ def staging_turn(g: ProcessGroup, name: str) -> int:
     """The turn of a one-shot all_reduce in the group's staging buffer, taken in call order
     (async or not); every rank of the group must be on this machine."""
     if not symmetric.may_stage(g):
-        raise ValueError(f"rank {g.transport.rank}: {name} needs every rank of the group "
-                         "on this machine, with shared memory on (COURSE_DIST_SHM)")
+        raise ValueError(_("rank {rank}: {name} needs every rank of the group on this "
+                           "machine, with shared memory on (COURSE_DIST_SHM)",
+                           rank=g.transport.rank, name=name))
     return g.staging.take()
 
 
@@ -111,12 +113,14 @@ def table_choice(table: dict | None, nbytes: int, world_size: int) -> str:
         return "tree" if nbytes <= AUTO_TREE_MAX_BYTES else "ring"
     rows = table.get(world_size, table.get(0))
     if rows is None:
-        raise ValueError(f"all_reduce table has no row for world size {world_size} and no 0 row")
+        raise ValueError(_("all_reduce table has no row for world size {world_size} and no 0 "
+                           "row", world_size=world_size))
     for max_bytes, algorithm in rows:
         if max_bytes is None or nbytes <= max_bytes:
             return algorithm
-    raise ValueError(f"all_reduce table for world size {world_size} ends below {nbytes} bytes; "
-                     "its last row needs max_bytes None")
+    raise ValueError(_("all_reduce table for world size {world_size} ends below {nbytes} "
+                       "bytes; its last row needs max_bytes None", world_size=world_size,
+                       nbytes=nbytes))
 
 
 def set_all_reduce_table(table: dict | None, group: ProcessGroup | None = None) -> None:
@@ -129,8 +133,8 @@ def set_all_reduce_table(table: dict | None, group: ProcessGroup | None = None) 
         for size, rows in table.items():
             for max_bytes, algorithm in rows:
                 if algorithm not in ALGORITHMS or algorithm == "auto":
-                    raise ValueError(f"all_reduce table: unknown algorithm {algorithm!r} for "
-                                     f"world size {size}")
+                    raise ValueError(_("all_reduce table: unknown algorithm {algorithm!r} for "
+                                       "world size {size}", algorithm=algorithm, size=size))
     text = json.dumps(table, sort_keys=True).encode()
     digest = torch.tensor(list(hashlib.sha256(text).digest()[:8]), dtype=torch.int64)
     digests: list[torch.Tensor] = []
@@ -139,6 +143,7 @@ def set_all_reduce_table(table: dict | None, group: ProcessGroup | None = None) 
     call.run(lambda grp, tag: digests.extend(grp.exchange(digest, tag, "all_gather")))
     differ = [g.ranks[i] for i, d in enumerate(digests) if not torch.equal(d, digests[0])]
     if differ:
-        raise ValueError(f"rank {g.transport.rank}: set_all_reduce_table: ranks {differ} passed "
-                         f"a table different from rank {g.ranks[0]}'s")
+        raise ValueError(_("rank {rank}: set_all_reduce_table: ranks {differ} passed a table "
+                           "different from rank {first}'s", rank=g.transport.rank,
+                           differ=differ, first=g.ranks[0]))
     g.all_reduce_table = table

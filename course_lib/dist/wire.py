@@ -13,6 +13,7 @@ import torch
 
 from course_lib.dist.errors import ProtocolError
 from course_lib.dist.stream import PeerClosed, WireTimeout, byte_view, set_timeout  # noqa: F401
+from course_lib.i18n import _
 
 MAGIC = 0x54534443  # "CDST"
 MAX_DIMS = 8
@@ -53,12 +54,12 @@ def encode_header(tag: int, tensor: torch.Tensor) -> bytes:
 # %% solutions/01_point_to_point.ipynb, cell 15
 def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, torch.dtype, tuple, int]:
     """(tag, dtype, shape, nbytes) from a header; ProtocolError if it is not a valid one."""
-    magic, tag, code, ndim, _, nbytes, *shape = HEADER.unpack(data)
+    magic, tag, code, ndim, _flags, nbytes, *shape = HEADER.unpack(data)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic 0x{magic:08x}")
+        raise ProtocolError(_("bad magic 0x{magic:08x}", magic=magic))
     if tag == ABORT_TAG:
         if code != DTYPE_CODE[torch.uint8] or ndim != 1 or shape[0] != nbytes or nbytes > 4096:
-            raise ProtocolError("malformed abort frame")
+            raise ProtocolError(_("malformed abort frame"))
         return tag, torch.uint8, (nbytes,), nbytes
     if code >= len(DTYPES) or ndim > MAX_DIMS or min(shape) < 0 or any(shape[ndim:]):
         raise ProtocolError(f"bad dtype code {code}, ndim {ndim} or shape {shape}")
@@ -85,5 +86,5 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
                 raise WireTimeout(got) from None
             continue  # the socket's timeout was armed for a slightly shorter wait
         if k == 0:
-            raise PeerClosed("peer closed the connection")
+            raise PeerClosed(_("peer closed the connection"))
         got += k

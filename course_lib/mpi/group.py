@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from course_lib.dist.work import seconds
+from course_lib.i18n import _
 from course_lib.processes import run_session
 
 DEFAULT_TIMEOUT = 300.0
@@ -21,9 +22,9 @@ _state: dict[str, Any] = {}
 def unavailable() -> str | None:
     """None if MPI programs can run here, else why not (what to install)."""
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not importable (pip install mpi4py mpich)"
+        return _("mpi4py is not importable (pip install mpi4py mpich)")
     if not (Path(sys.executable).parent / "mpiexec").exists():
-        return f"no mpiexec next to {sys.executable} (pip install mpich)"
+        return _("no mpiexec next to {python} (pip install mpich)", python=sys.executable)
     return None
 
 
@@ -34,7 +35,7 @@ def launch(world_size: int, args: Sequence[str], timeout: float,
     algorithm), in its own process group, ended if it outlives `timeout` (`run_session`)."""
     why = unavailable()
     if why:
-        raise RuntimeError(f"course_lib.mpi: cannot run mpiexec: {why}")
+        raise RuntimeError(_("course_lib.mpi: cannot run mpiexec: {why}", why=why))
     cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(world_size), sys.executable,
            *args]
     return run_session(cmd, timeout, f"mpiexec -n {world_size}", env).stdout
@@ -57,14 +58,16 @@ class Group:
 
 
 def init_process_group(backend: str = "mpi", *, timeout: float | timedelta = DEFAULT_TIMEOUT,
-                       **_: Any) -> None:
+                       **_ignored: Any) -> None:
     """Use MPI_COMM_WORLD as the world. Needs processes started by mpiexec."""
     if backend != "mpi":
-        raise ValueError(f"course_lib.mpi runs the 'mpi' backend, got {backend!r}")
+        raise ValueError(_("course_lib.mpi runs the 'mpi' backend, got {backend!r}",
+                           backend=backend))
     if not any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK",
                                         "PMI_FD", "PMI_PORT", "HYDI_CONTROL_FD")):
-        raise RuntimeError("course_lib.mpi: this process was not started by mpiexec; run "
-                           "`mpiexec -n N python ...` or course_lib.cluster.start(engines='mpi')")
+        raise RuntimeError(_("course_lib.mpi: this process was not started by mpiexec; run "
+                             "`mpiexec -n N python ...` or "
+                             "course_lib.cluster.start(engines='mpi')"))
     MPI = _MPI()
     world = MPI.COMM_WORLD
     _state.update(world=Group(world, list(range(world.Get_size()))), timeout=seconds(timeout))
@@ -84,11 +87,12 @@ def get_backend(group: Group | None = None) -> str:
 
 def _group(group: Group | None, name: str) -> Group:
     if not _state:
-        raise RuntimeError(f"course_lib.mpi.{name}: call init_process_group() first")
+        raise RuntimeError(_("course_lib.mpi.{name}: call init_process_group() first",
+                             name=name))
     g = _state["world"] if group is None else group
     if g.comm == _MPI().COMM_NULL:
-        raise RuntimeError(f"rank {_state['world'].comm.Get_rank()}: {name}: this rank is not "
-                           f"a member of group {g.ranks}")
+        raise RuntimeError(_("rank {rank}: {name}: this rank is not a member of group {ranks}",
+                             rank=_state["world"].comm.Get_rank(), name=name, ranks=g.ranks))
     return g
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.i18n import _
 from course_lib.mpi.group import Group, _MPI, _group
 from course_lib.mpi.work import Work, _buffer, _contiguous, _host
 
 def _check_tag(tag: int) -> int:
     upper = _MPI().COMM_WORLD.Get_attr(_MPI().TAG_UB)
     if not isinstance(tag, int) or not 0 <= tag <= upper:
-        raise ValueError(f"tag must be an int in [0, {upper}], got {tag!r}")
+        raise ValueError(_("tag must be an int in [0, {max_tag}], got {tag!r}", max_tag=upper,
+                           tag=tag))
     return tag
 
 

@@ -12,6 +12,7 @@ import torch
 from course_lib.dist.errors import DistTimeoutError
 from course_lib.dist.group import ReduceOp
 from course_lib.dist.work import seconds
+from course_lib.i18n import _
 from course_lib.mpi.group import _MPI, _state
 
 class Work:
@@ -41,12 +42,15 @@ class Work:
                 self._finish()
                 break
             if time.monotonic() > deadline:
-                peer = f" with rank {self.peer_rank}" if self.peer_rank is not None else ""
+                fields = dict(rank=self.rank, name=self.name, peer=self.peer_rank,
+                              seconds=f"{time.monotonic() - self.started:.1f}")
                 raise DistTimeoutError(
-                    f"rank {self.rank}: {self.name}{peer} (mpi) timed out after "
-                    f"{time.monotonic() - self.started:.1f}s; MPI cannot cancel it, so this "
-                    "communicator is unusable now", rank=self.rank, peer_rank=self.peer_rank,
-                    operation=self.name)
+                    _("rank {rank}: {name} with rank {peer} (mpi) timed out after {seconds}s; "
+                      "MPI cannot cancel it, so this communicator is unusable now", **fields)
+                    if self.peer_rank is not None else
+                    _("rank {rank}: {name} (mpi) timed out after {seconds}s; MPI cannot cancel "
+                      "it, so this communicator is unusable now", **fields),
+                    rank=self.rank, peer_rank=self.peer_rank, operation=self.name)
             time.sleep(pause)
             pause = min(1e-3, pause * 2 + 1e-6)  # spin first: MPI's latency is microseconds
         return True
@@ -70,9 +74,10 @@ def _host(name: str, *tensors: Any) -> None:
     here reads and writes buffers through host pointers (mpi4py on a tensor's numpy view)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise TypeError(f"course_lib.mpi.{name}: MPI moves host memory, and this tensor is on "
-                            f"{t.device}: pass CPU tensors (t.cpu(), then copy the result back), "
-                            'or use torch.distributed with backend "nccl" for GPU tensors')
+            raise TypeError(_("course_lib.mpi.{name}: MPI moves host memory, and this tensor is "
+                              "on {device}: pass CPU tensors (t.cpu(), then copy the result "
+                              'back), or use torch.distributed with backend "nccl" for GPU '
+                              "tensors", name=name, device=t.device))
 
 
 def _buffer(t: torch.Tensor) -> list:
@@ -84,7 +89,7 @@ def _buffer(t: torch.Tensor) -> list:
     if t.dtype in (torch.float16, torch.bfloat16):
         return [t.view(torch.int16).numpy(), MPI.INT16_T]
     if t.dtype not in types:
-        raise TypeError(f"course_lib.mpi: no MPI datatype for {t.dtype}")
+        raise TypeError(_("course_lib.mpi: no MPI datatype for {dtype}", dtype=t.dtype))
     return [t.numpy(), types[t.dtype]]
 
 

@@ -13,6 +13,7 @@ import time
 
 from course_lib.course.bench.common import format_table, write_json
 from course_lib.course.bench import report
+from course_lib.i18n import _
 
 BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train", "ring_attention")
 # What `all` runs: the page's sizes. Timing on two shared cores: world size 2 (the capstone's
@@ -54,7 +55,8 @@ def run_all(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(SUITE))
     if unknown:
-        parser.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(SUITE)}")
+        parser.error(_("unknown benchmark(s) {unknown}: choose from {names}",
+                       unknown=", ".join(unknown), names=", ".join(SUITE)))
     os.makedirs(args.results, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     failed = []
@@ -64,12 +66,14 @@ def run_all(argv: list[str]) -> int:
                "--json", f"{out}.json", "--plot", f"{out}.png"]
         start = time.perf_counter()
         code = subprocess.run(cmd, env=env).returncode
-        print(f"{name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+        print(_("{name}: exit {code} in {seconds:.0f} s", name=name, code=code,
+                seconds=time.perf_counter() - start), flush=True)
         if code:
             failed.append(name)
     report.main(["--results", args.results])
     if failed:
-        print(f"failed (their previous runs kept): {', '.join(failed)}", file=sys.stderr)
+        print(_("failed (their previous runs kept): {names}", names=", ".join(failed)),
+              file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -56,10 +56,12 @@ def parse_size(text: str) -> int:
     """'4KiB' -> 4096; a multiple of 4 bytes (float32 elements)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?i?B?)\s*", text, re.IGNORECASE)
     if not m or m.group(2).upper() not in UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4KiB, 1MiB, 16MiB")
+        raise argparse.ArgumentTypeError(_("bad size {text!r}; use e.g. 4KiB, 1MiB, 16MiB",
+                                           text=text))
     n = int(m.group(1)) * UNITS[m.group(2).upper()]
     if n % DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a whole number of float32s")
+        raise argparse.ArgumentTypeError(_("size {text!r} is not a whole number of float32s",
+                                           text=text))
     return n
 
 
@@ -76,7 +78,8 @@ def at_least(minimum: int):
         except ValueError:
             n = None
         if n is None or n < minimum:
-            raise argparse.ArgumentTypeError(f"needs a whole number >= {minimum}, got {text!r}")
+            raise argparse.ArgumentTypeError(_("needs a whole number >= {minimum}, got {text!r}",
+                                               minimum=minimum, text=text))
         return n
     return count
 
@@ -200,12 +203,16 @@ def measure(rank: int, world: int, backend: str, plan: list[tuple[int, str]],
             elapsed = clock(buf.device) - t0
             if checks[i] is not None:
                 if not checks[i]():
-                    raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_to_all of "
-                                         f"{nbytes} B is not the transposition")
+                    raise AssertionError(_("rank {rank}: {backend}/{algorithm} all_to_all of "
+                                           "{nbytes} B is not the transposition", rank=rank,
+                                           backend=backend, algorithm=algorithm,
+                                           nbytes=nbytes))
             elif buf.numel() and not (buf.min() == expected and buf.max() == expected):
-                raise AssertionError(f"rank {rank}: {backend}/{algorithm} all_reduce of "
-                                     f"{nbytes} B gave {buf.min()}..{buf.max()}, "
-                                     f"expected {expected}")
+                raise AssertionError(_("rank {rank}: {backend}/{algorithm} all_reduce of "
+                                       "{nbytes} B gave {low}..{high}, expected {expected}",
+                                       rank=rank, backend=backend, algorithm=algorithm,
+                                       nbytes=nbytes, low=buf.min(), high=buf.max(),
+                                       expected=expected))
             if k >= untimed:
                 times[f"{nbytes}/{algorithm}"].append(elapsed)
     return times
@@ -242,7 +249,7 @@ def _run_mpi(world: int, plan: list, repeats: int, timeout: float, bind: str,
                      env)
     lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_JSON ")]
     if not lines:
-        raise RuntimeError("mpi: mpiexec printed no result")
+        raise RuntimeError(_("mpi: mpiexec printed no result"))
     return json.loads(lines[-1][len("BENCH_JSON "):])
 
 
@@ -261,16 +268,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(backends) - {"scratch", "gloo", "mpi"}
     if unknown:
-        raise SystemExit(f"unknown backends {sorted(unknown)}; use scratch, gloo, mpi")
+        raise SystemExit(_("unknown backends {unknown}; use scratch, gloo, mpi",
+                           unknown=sorted(unknown)))
     sizes = args.sizes
     a2a = args.collective == "all_to_all"
     algorithms = choose(args.algorithms or ("pairwise" if a2a else "ring"),
-                        A2A_ALGORITHMS if a2a else ALGORITHMS, "algorithms")
+                        A2A_ALGORITHMS if a2a else ALGORITHMS, N_("algorithms"))
     if "mpi" in backends and (why := mpi.unavailable()):
-        print(f"note: skipping mpi: {why}", file=sys.stderr)
+        print(_("note: skipping mpi: {why}", why=why), file=sys.stderr)
         backends.remove("mpi")
     if not backends:
-        raise SystemExit("no backend left to run")
+        raise SystemExit(_("no backend left to run"))
     per_round = math.ceil(args.repeats / args.rounds)
     plans = {b: [(n, a) for n in sizes for a in (algorithms if b == "scratch" else ["default"])]
              for b in backends}
@@ -310,9 +318,10 @@ def plot(rows: list[dict], path: str) -> None:
                      if (r["backend"], r["algorithm"]) == key)
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
                 label=f"{key[0]} ({key[1]})")
-    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (ms)",
-           title=f"{rows[0].get('collective', 'all_reduce')}, world {rows[0]['world']}"
-           if rows else "all_reduce")
+    title = _("{collective}, world {world}", collective=rows[0].get("collective", "all_reduce"),
+              world=rows[0]["world"]) if rows else "all_reduce"
+    ax.set(xscale="log", yscale="log", xlabel=_("message size (bytes)"), ylabel=_("time (ms)"),
+           title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -324,7 +333,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--mpi-worker":
         _mpi_worker(sys.argv[2])
     else:
-        sys.exit("run it as: python -m course_lib.course.bench allreduce ...")
+        sys.exit(_("run it as: python -m course_lib.course.bench allreduce ..."))
 
 
 TITLE = N_("all_reduce against gloo and MPI")

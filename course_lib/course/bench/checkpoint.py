@@ -166,8 +166,8 @@ def _recovery(world: int, args: argparse.Namespace, root: str) -> dict:
         killed_at = float(f.read())
     (failure,) = failures
     if list(failure.dead) != [KILLED]:
-        raise RuntimeError(f"the recovery benchmark expected rank {KILLED} to die, not "
-                           f"{sorted(failure.dead)}")
+        raise RuntimeError(_("the recovery benchmark expected rank {killed} to die, not "
+                             "{dead}", killed=KILLED, dead=sorted(failure.dead)))
     detect = failure.failed_after_s - (killed_at - called)
     reload = max(r["load_s"] for r in results)
     return {"detect_s": detect, "restart_s": failure.recovered_in_s, "reload_s": reload,
@@ -238,14 +238,15 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
     worlds = sorted({r["world"] for r in rows})
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     width = 0.8 / len(variants)
-    for ax, what in zip(axes, ("save_gbps", "load_gbps")):
+    titles = (_("save (GB/s, higher is better)"), _("load (GB/s, higher is better)"))
+    for ax, what, title in zip(axes, ("save_gbps", "load_gbps"), titles):
         for i, v in enumerate(variants):
             ys = [next(r[what] for r in rows if r["world"] == w and r["variant"] == v)
                   for w in worlds]
             ax.bar([j + i * width for j in range(len(worlds))], ys, width, label=v)
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(worlds))],
-                      [f"world {w}" for w in worlds])
-        ax.set_title(what.replace("_gbps", " (GB/s, higher is better)"))
+                      [_("world {world}", world=w) for w in worlds])
+        ax.set_title(title)
     axes[0].legend()
     return finish(fig, path)
 

@@ -11,14 +11,17 @@ import statistics
 import time
 from typing import Any, Iterable, Sequence
 
+from course_lib.i18n import N_, _
 
-def choose(text: str, known: Iterable[str], what: str = "variants") -> list[str]:
+
+def choose(text: str, known: Iterable[str], what: str = N_("variants")) -> list[str]:
     """The comma-separated names in `text`, each one of `known` (else a one-line exit)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     known = list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+        raise SystemExit(_("unknown {what} {unknown}; choose from {known}", what=_(what),
+                           unknown=unknown, known=", ".join(known)))
     return names
 
 
@@ -93,7 +96,7 @@ def write_json(path: str, name: str, rows: list[dict], args: dict[str, Any],
 def format_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
     """A plain-text table of the rows (floats to 4 significant digits)."""
     if not rows:
-        return "(no rows)"
+        return _("(no rows)")
     columns = list(columns or rows[0].keys())
 
     def cell(v: Any) -> str:
@@ -126,8 +129,9 @@ def speed_and_state(rows: list[dict], speed: str, speed_label: str, state_label:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
     a.barh(names, [r[speed] for r in rows], color="tab:blue")
     a.set_xlabel(speed_label)
-    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label="measured")
-    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3, label="formula")
+    b.barh(names, [r["state_mib"] for r in rows], color="tab:orange", label=_("measured"))
+    b.scatter([r["formula_mib"] for r in rows], names, color="k", zorder=3,
+              label=_("formula"))
     b.set_xlabel(state_label)
     b.legend(loc="lower right")
     a.invert_yaxis()

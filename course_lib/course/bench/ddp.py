@@ -165,7 +165,7 @@ def make_step(name: str, args: dict, dists: dict):
 def bucket_sizes(arg: str | float) -> list[float]:
     sizes = [float(v) for v in str(arg).split(",") if v.strip()]
     if not sizes or any(v <= 0 for v in sizes):
-        raise SystemExit(f"--bucket-mb needs positive sizes, got {arg!r}")
+        raise SystemExit(_("--bucket-mb needs positive sizes, got {arg!r}", arg=arg))
     return sizes
 
 
@@ -259,13 +259,14 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
     names = [r["variant"] for r in rows]
     local = rows[0]["iter_ms"]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-    ax.barh(names, [local] * len(rows), label="compute (local step)", color="tab:blue")
+    ax.barh(names, [local] * len(rows), label=_("compute (local step)"), color="tab:blue")
     ax.barh(names, [max(0.0, r["exposed_comm_ms"]) for r in rows], left=local,
-            label="exposed communication", color="tab:orange")
+            label=_("exposed communication"), color="tab:orange")
     ax.invert_yaxis()
-    ax.set_xlabel("iteration time, slowest rank, median (ms)")
-    ax.set_title(f"DDP variants, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB of "
-                 f"gradients, bucket {rows[0]['bucket_mb']:g} MiB")
+    ax.set_xlabel(_("iteration time, slowest rank, median (ms)"))
+    ax.set_title(_("DDP variants, world {world}, {grad_mib:.0f} MiB of gradients, bucket "
+                   "{bucket_mb:g} MiB", world=rows[0]["world"], grad_mib=rows[0]["grad_mib"],
+                   bucket_mb=rows[0]["bucket_mb"]))
     ax.legend(loc="lower right")
     return finish(fig, path)
 
@@ -279,12 +280,12 @@ def plot_sweep(rows: list[dict], path: str | None = None) -> Any:
         mine = [r for r in rows[1:] if r["variant"].partition("@")[0] == variant]
         ax.plot([r["bucket_mb"] for r in mine], [r["iter_ms"] for r in mine], "o-",
                 label=variant)
-    ax.axhline(local, color="gray", linestyle="--", label="no communication")
+    ax.axhline(local, color="gray", linestyle="--", label=_("no communication"))
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb")
-    ax.set_ylabel("iteration time, slowest rank, median (ms)")
-    ax.set_title(f"Bucket size sweep, world {rows[0]['world']}, {rows[0]['grad_mib']:.0f} MiB "
-                 "of gradients")
+    ax.set_ylabel(_("iteration time, slowest rank, median (ms)"))
+    ax.set_title(_("Bucket size sweep, world {world}, {grad_mib:.0f} MiB of gradients",
+                   world=rows[0]["world"], grad_mib=rows[0]["grad_mib"]))
     ax.legend()
     return finish(fig, path)
 

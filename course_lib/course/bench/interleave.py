@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
+from course_lib.i18n import _
+
 REWARM = 10  # untimed calls per timed turn: the set slept while others ran, on cold caches
 Turn = tuple[str, int, int, int]  # (set, row, untimed calls, timed calls)
 
@@ -67,10 +69,10 @@ class _Sets:
             if time.monotonic() > deadline:
                 missing = sorted(f"{n} rank {r}" for n, size in self.sizes.items()
                                  for r in range(size) if (n, r) not in self.links)
-                raise TurnError(f"bench: {', '.join(missing)} did not connect within "
-                                f"{self.timeout:g}s")
+                raise TurnError(_("bench: {missing} did not connect within {timeout:g}s",
+                                  missing=", ".join(missing), timeout=self.timeout))
             try:
-                conn, _ = self.server.accept()
+                conn = self.server.accept()[0]
             except socket.timeout:
                 continue
             conn.settimeout(self.timeout)
@@ -91,16 +93,19 @@ class _Sets:
             except ConnectionError:
                 line = b""
             if line != b"done\n":
-                what = "timed out" if line == b"timeout" else "ended"
-                raise TurnError(f"bench: {name} rank {r} {what} in its turn on row {row} "
-                                f"(waited up to {self.timeout:g}s)")
+                fields = dict(name=name, rank=r, row=row, timeout=self.timeout)
+                raise TurnError(
+                    _("bench: {name} rank {rank} timed out in its turn on row {row} (waited up "
+                      "to {timeout:g}s)", **fields) if line == b"timeout" else
+                    _("bench: {name} rank {rank} ended in its turn on row {row} (waited up to "
+                      "{timeout:g}s)", **fields))
 
     def _send(self, name: str, rank: int, line: str, row: int) -> None:
         try:
             self.links[(name, rank)][0].sendall(line.encode("ascii"))
         except OSError:
-            raise TurnError(f"bench: {name} rank {rank} ended before its turn on row "
-                            f"{row}") from None
+            raise TurnError(_("bench: {name} rank {rank} ended before its turn on row {row}",
+                              name=name, rank=rank, row=row)) from None
 
     def close(self) -> None:
         for conn, reader in self.links.values():
@@ -133,7 +138,7 @@ def conduct(launchers: dict[str, Callable[[str], object]], sizes: dict[str, int]
         t.start()
     failure = None
     try:
-        sets.accept_all(lambda: next((f"bench: {n} failed to start: {e}"
+        sets.accept_all(lambda: next((_("bench: {name} failed to start: {exc}", name=n, exc=e)
                                       for n, e in errors.items()), None))
         for turn in turns:
             sets.turn(*turn)
@@ -148,7 +153,7 @@ def conduct(launchers: dict[str, Callable[[str], object]], sizes: dict[str, int]
         raise TurnError(f"{failure}" + (f" ({detail})" if detail else "")) from None
     if errors:
         name, exc = next(iter(errors.items()))
-        raise TurnError(f"bench: {name} failed: {exc}") from exc
+        raise TurnError(_("bench: {name} failed: {exc}", name=name, exc=exc)) from exc
     return results
 
 
@@ -164,8 +169,9 @@ def turns(address: str, name: str, rank: int, timeout: float) -> Iterator[tuple[
                 try:
                     line = reader.readline().decode("ascii").split()
                 except socket.timeout:
-                    raise TurnError(f"bench: {name} rank {rank} waited {timeout:g}s for its "
-                                    f"next turn") from None
+                    raise TurnError(_("bench: {name} rank {rank} waited {timeout:g}s for its "
+                                      "next turn", name=name, rank=rank,
+                                      timeout=timeout)) from None
                 except ConnectionError:
                     return  # the driver has gone, and reports why itself
                 if not line or line[0] == "stop":

@@ -233,14 +233,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     schedules = [s.strip().lower() for s in args.schedules.split(",") if s.strip()]
     unknown = set(schedules) - set(SCHEDULES)
     if unknown:
-        raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {SCHEDULES}")
+        raise SystemExit(_("unknown schedules {unknown}; choose from {schedules}",
+                           unknown=sorted(unknown), schedules=SCHEDULES))
     cfg = {"width": args.width, "layers_per_stage": args.layers_per_stage,
            "microbatch_size": args.microbatch_size, "repeats": args.repeats,
            "warmup": args.warmup, "schedules": schedules, "microbatches": _ints(args.microbatches),
            "torch": [t.strip() for t in args.torch.split(",") if t.strip()
                      and args.backend == "gloo"]}  # torch's schedules need torch.distributed
     if set(cfg["torch"]) - set(TORCH):
-        raise SystemExit(f"unknown torch schedules; choose from {tuple(TORCH)}")
+        raise SystemExit(_("unknown torch schedules; choose from {schedules}",
+                           schedules=tuple(TORCH)))
     rows = []
     for p in _ints(args.stages):
         per_rank = spawn(run_stage, p, cfg, backend=args.backend, timeout=600)
@@ -272,10 +274,11 @@ def plot_bubble(rows: list[dict], ax) -> None:
             pts = [(r["m"], r["bubble"]) for r in rows if r["stages"] == p and
                    r["schedule"] == name]
             if pts:
-                ax.plot(*zip(*pts), marker, label=f"{name}, p={p} (measured)")
+                ax.plot(*zip(*pts), marker, label=_("{name}, p={p} (measured)", name=name,
+                                                    p=p))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble (idle share of the step)")
+    ax.set_xlabel(_("micro-batches m"))
+    ax.set_ylabel(_("bubble (idle share of the step)"))
     ax.legend(fontsize=8)
 
 
@@ -290,9 +293,9 @@ def plot_gantt(events, ax, title: str = "") -> None:
         ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, e.rank, str(e.microbatch),
                 ha="center", va="center", fontsize=7, color="white")
     ranks = sorted({e.rank for e in events})
-    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.set_yticks(ranks, [_("stage {n}", n=r) for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms (blue: forward, orange: backward; numbers: micro-batch)")
+    ax.set_xlabel(_("ms (blue: forward, orange: backward; numbers: micro-batch)"))
     ax.set_title(title)
 
 
@@ -309,7 +312,7 @@ def plot_timeline(timeline, ax, title: str = "") -> None:
                 hatch="//" if t.action.chunk >= p else None)
         ax.text(t.start - t0 + (t.end - t.start) / 2, t.stage, str(t.action.mb),
                 ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_yticks(range(p), [_("stage {n}", n=s) for s in range(p)])
     ax.invert_yaxis()
     ax.set_title(title, fontsize=9)
 

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for path, text in pages(args.results).items():
         path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}")
+        print(_("wrote {path}", path=path))
     return 0
 
 

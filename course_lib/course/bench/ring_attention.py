@@ -79,11 +79,11 @@ def plot(rows: list[dict], path: str) -> None:
 
     cps = [r["cp"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(cps, [r["step_s"] * 1e3 for r in rows], "o-", label="measured (slowest rank)")
+    ax.plot(cps, [r["step_s"] * 1e3 for r in rows], "o-", label=_("measured (slowest rank)"))
     base = next((r for r in rows if r["cp"] == 1), None)
     if base:
-        ax.plot(cps, [base["step_s"] * 1e3 / cp for cp in cps], "k--", lw=1, label="full / cp")
-    ax.set(xlabel="CP degree", ylabel="forward + backward (ms)", xticks=cps)
+        ax.plot(cps, [base["step_s"] * 1e3 / cp for cp in cps], "k--", lw=1, label=_("full / cp"))
+    ax.set(xlabel=_("CP degree"), ylabel=_("forward + backward (ms)"), xticks=cps)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -81,15 +81,15 @@ def plot(rows: list[dict], path: str) -> None:
 
     worlds = [r["world"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.plot(worlds, [r["param_MiB_per_rank"] for r in rows], "o-", label="measured")
+    a.plot(worlds, [r["param_MiB_per_rank"] for r in rows], "o-", label=_("measured"))
     a.plot(worlds, [rows[0]["param_MiB_per_rank"] * rows[0]["world"] / w for w in worlds],
-           "k--", lw=1, label="unsplit / world")
-    a.set_xlabel("TP degree")
-    a.set_ylabel("parameters per rank (MiB)")
+           "k--", lw=1, label=_("unsplit / world"))
+    a.set_xlabel(_("TP degree"))
+    a.set_ylabel(_("parameters per rank (MiB)"))
     a.legend()
     b.plot(worlds, [r["step_s"] * 1e3 for r in rows], "o-")
-    b.set_xlabel("TP degree")
-    b.set_ylabel("forward + backward (ms, slowest rank)")
+    b.set_xlabel(_("TP degree"))
+    b.set_ylabel(_("forward + backward (ms, slowest rank)"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

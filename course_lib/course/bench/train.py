@@ -194,9 +194,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def plot(rows: list[dict], path: str | None = None) -> Any:
     """Tokens per second and state bytes per rank (measured, and the formula), per variant."""
-    return speed_and_state(rows, "tokens_per_s", "tokens per second (slowest rank, median step)",
-                           "parameters + gradients + AdamW state, fullest rank (MiB)",
-                           "The capstone GPT on 4 ranks (gloo): layouts and torch's stack", path)
+    return speed_and_state(rows, "tokens_per_s",
+                           _("tokens per second (slowest rank, median step)"),
+                           _("parameters + gradients + AdamW state, fullest rank (MiB)"),
+                           _("The capstone GPT on 4 ranks (gloo): layouts and torch's stack"),
+                           path)
 
 
 def quick_args(**overrides: Any) -> argparse.Namespace:

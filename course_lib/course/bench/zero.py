@@ -93,7 +93,8 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, adam(model.parameters(), lr=1e-4)
-    raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    raise ValueError(_("unknown variant {variant!r}; choose from {variants}", variant=variant,
+                       variants=", ".join(VARIANTS)))
 
 
 def measured_bytes(model: Any, opt: Any) -> int:
@@ -255,10 +256,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def plot(rows: list[dict], path: str | None = None) -> Any:
     """Step time and state bytes per rank, side by side, per variant."""
-    return speed_and_state(rows, "step_ms", "step time, slowest rank, median (ms)",
-                           "parameters + gradients + Adam state per rank (MiB)",
-                           f"ZeRO stages, world {rows[0]['world']}, "
-                           f"{rows[0]['params'] / 1e6:.1f}M parameters, fp32 Adam, gloo", path)
+    return speed_and_state(rows, "step_ms", _("step time, slowest rank, median (ms)"),
+                           _("parameters + gradients + Adam state per rank (MiB)"),
+                           _("ZeRO stages, world {world}, {millions:.1f}M parameters, fp32 "
+                             "Adam, gloo", world=rows[0]["world"],
+                             millions=rows[0]["params"] / 1e6), path)
 
 
 TITLE = N_("ZeRO and FSDP against our DDP and torch's")

@@ -18,6 +18,7 @@ import torch
 
 from course_lib.backend import default_dist
 from course_lib.counting import CountingDist
+from course_lib.i18n import _
 from course_lib.run import RunBase
 
 KINDS = ("tp", "pp", "dp", "tied", "world")
@@ -109,7 +110,8 @@ def _layers(names: list[str]) -> str:
     blocks = [int(n.split()[1]) for n in names if n.startswith("block")]
     out = [n for n in names if not n.startswith("block")]
     if blocks:
-        run = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+        run = (_("block {n}", n=blocks[0]) if len(blocks) == 1 else
+               _("blocks {first}-{last}", first=blocks[0], last=blocks[-1]))
         out.insert(1 if names[0] == "embedding" else 0, run)
     return ", ".join(out)
 
@@ -133,7 +135,7 @@ def picture(layouts: list[list[dict[str, Any]]]) -> Any:
     width, height = sum(s[0] for s in sizes) + 0.8 * (len(sizes) - 1), max(s[1] for s in sizes)
     fig, ax = plt.subplots(figsize=(0.95 * width, 0.95 * (height + 0.6)))
     x = 0.0
-    for d, (w, _) in zip(layouts, sizes):
+    for d, (w, _height) in zip(layouts, sizes):
         draw(d, ax, x0=x, top=height)
         x += w + 0.8
     ax.set_xlim(-0.3, width)
@@ -175,8 +177,9 @@ def draw(descriptions: list[dict[str, Any]], ax: Any, x0: float = 0.0, top: floa
         zero = f", ZeRO-{c['zero']}: 1/{dp}" if c["zero"] else ""
         text = (f"rank {d['rank']}  (pp {co['pp']}, dp {co['dp']}, tp {co['tp']})\n"
                 f"{_layers(d['layers'])}\n"
-                f"params: {d['sharded']:,} split, {d['whole']:,} whole\n"
-                f"Adam state {_kib(d['adam state'])}{zero}")
+                + _("params: {sharded:,} split, {whole:,} whole", sharded=d["sharded"],
+                    whole=d["whole"]) + "\n"
+                + _("Adam state {size}{zero}", size=_kib(d["adam state"]), zero=zero))
         ax.text(x + 0.08, y + h / 2, text, va="center", ha="left", fontsize=7, family="monospace")
     for d in descriptions:
         x, y = where[d["rank"]]
@@ -203,19 +206,19 @@ def draw(descriptions: list[dict[str, Any]], ax: Any, x0: float = 0.0, top: floa
                                          color=COLOURS["tied"], lw=1))
     load = {d["rank"]: traffic(d) for d in descriptions}
     legend = []
-    for kind, what in (("tp", "tp (shaded): 2 all-reduces forward + 2 backward per block "
-                               "and micro-batch"),
-                       ("pp", "pp (arrows): activations forward, their gradients back"),
-                       ("dp", "dp (right): the gradients, once" + (
-                           f" (ZeRO-{c['zero']})" if c["zero"] else "")),
-                       ("tied", "tied (dashed): the embedding's gradient, summed by its two "
-                                "copies"),
-                       ("world", "world: the step's loss")):
+    for kind, what in (("tp", _("tp (shaded): 2 all-reduces forward + 2 backward per block "
+                                 "and micro-batch")),
+                       ("pp", _("pp (arrows): activations forward, their gradients back")),
+                       ("dp", _("dp (right): the gradients, once{zero}", zero=(
+                           f" (ZeRO-{c['zero']})" if c["zero"] else ""))),
+                       ("tied", _("tied (dashed): the embedding's gradient, summed by its two "
+                                  "copies")),
+                       ("world", _("world: the step's loss"))):
         per_rank = [load[r][kind] for r in load if kind in load[r]]
         if per_rank:
             most = max(per_rank, key=lambda t: t["bytes"])
-            legend.append((kind, f"{what}: {most['collectives']:g} per step, "
-                                 f"{_kib(most['bytes'])}"))
+            legend.append((kind, _("{what}: {count:g} per step, {size}", what=what,
+                                   count=most["collectives"], size=_kib(most["bytes"]))))
     for i, (kind, text) in enumerate(legend):
         ax.text(x0, base - 0.3 - LINE * i, text, color=COLOURS[kind], fontsize=7.5, va="top")
     ax.text(x0, top + 0.2, f"(dp, tp, pp) = ({dp}, {tp}, {pp})", fontsize=10)
