@@ -46,10 +46,8 @@ def ensure_env() -> None:
     if not PY.exists() and run(sys.executable, "-m", "venv", VENV) != 0:
         sys.exit("could not create .venv (on Debian/Ubuntu: apt install python3-venv)")
     steps = [(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip"),
-             # --no-compile: Python compiles what it imports, when first imported (half the
-             # install's time went to compiling every module of every package)
-             (PY, "-m", "pip", "install", "--quiet", "--no-compile", "-c", "constraints.txt",
-              "-e", ".[course,mpi,dev]")]
+             (PY, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e",
+              ".[course,mpi,dev]")]
     for step in steps:
         if run(*step) != 0:
             sys.exit("installing the dependencies failed (see pip's message above)")

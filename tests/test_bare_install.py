@@ -70,7 +70,7 @@ def bare_python(tmp_path_factory) -> Path:
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
                            "'purelib'))"], capture_output=True, text=True, check=True).stdout
     _link_installed(Path(site.strip()), _requirements())
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile", "-c",
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c",
                            str(ROOT / "constraints.txt"), str(ROOT)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

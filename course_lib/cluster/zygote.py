@@ -35,6 +35,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def start_shared(python: str = sys.executable,
     if not line:
         proc.wait(5)
         raise RuntimeError(f"the shared engine zygote exited at its start ({proc.returncode})")
-    return proc, json.loads(line)["socket"]
+    proc.socket = json.loads(line)["socket"]  # `end` removes its folder if the zygote could not
+    return proc, proc.socket
 
 
 def stop() -> None:
@@ -85,6 +87,9 @@ def end(proc: subprocess.Popen) -> None:
         proc.wait(2.0)
     except (OSError, subprocess.TimeoutExpired):
         end_processes(record(proc.pid, descendants=False), grace=1.0)
+    folder = os.path.dirname(getattr(proc, "socket", "") or "")
+    if os.path.basename(folder).startswith("course-zygote-"):  # a shared one's, if it was killed
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _started() -> subprocess.Popen:

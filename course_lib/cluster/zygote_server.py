@@ -47,6 +47,7 @@ def _become(request: dict) -> None:
         os.setsid()  # like ipyparallel's launcher: the client's terminal signals are not ours
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a shared zygote's handler is its own
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         if request["log"]:
             log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -247,6 +248,7 @@ def _become_nanny(args_r: int, url_w: int, parents: tuple[int, int]) -> None:
         for fd in parents:
             os.close(fd)
         os.setsid()  # as ipyparallel starts it: signals to the engine's group are not ours
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with os.fdopen(args_r, "rb") as f:
             data = f.read()
         if data:
@@ -302,6 +304,7 @@ def serve_shared() -> None:
     one process per connection's request line, until stdin closes (its owner exited)."""
     folder = tempfile.mkdtemp(prefix="course-zygote-")  # 0700: only this user reaches the socket
     path = os.path.join(folder, "socket")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # ended by PID: remove the folder too
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.bind(path)

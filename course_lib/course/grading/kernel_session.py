@@ -46,8 +46,7 @@ def kernel_zygote() -> subprocess.Popen:
     """A zygote for one run's kernels (its `.socket`), with torch and ipykernel imported once
     and no course_lib module: nothing of the reference is in what it forks."""
     env = {k: v for k, v in os.environ.items() if k not in (zygote.SOCKET_ENV, STARTUP_ENV)}
-    proc, proc.socket = zygote.start_shared(sys.executable, env)
-    return proc
+    return zygote.start_shared(sys.executable, env)[0]
 
 
 class KernelSession:
