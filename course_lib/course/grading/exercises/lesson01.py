@@ -9,6 +9,7 @@ import torch
 
 from course_lib.course.grading import RANK, WORLD_SIZE, CheckTimeout, Exercise, case, register
 from course_lib.course.grading.sub_worlds import counting_messages, first_ranks_as_world
+from course_lib.i18n import N_
 
 # --- lesson01.encode_header / decode_header (local) ----------------------------------------
 
@@ -154,12 +155,12 @@ register(Exercise(
 # --- lesson01.recv_exact (on a local socket pair) ----------------------------------------------
 
 SCENARIOS = {  # name: (pieces of the frame sent, pause between them (s), frame size, deadline)
-    "one piece": ([64], 0.0, 64, 2.0),
-    "three pieces": ([300, 400, 300], 0.05, 1000, 2.0),
-    "larger than the socket buffer": ([4 << 20], 0.0, 4 << 20, 5.0),
-    "empty view": ([], 0.0, 0, 1.0),
-    "peer closes mid-frame": ([10], 0.0, 40, 2.0),
-    "peer too slow for the deadline": ([10, 30], 1.0, 40, 0.3),
+    N_("one piece"): ([64], 0.0, 64, 2.0),
+    N_("three pieces"): ([300, 400, 300], 0.05, 1000, 2.0),
+    N_("larger than the socket buffer"): ([4 << 20], 0.0, 4 << 20, 5.0),
+    N_("empty view"): ([], 0.0, 0, 1.0),
+    N_("peer closes mid-frame"): ([10], 0.0, 40, 2.0),
+    N_("peer too slow for the deadline"): ([10, 30], 1.0, 40, 0.3),
 }
 
 

@@ -16,6 +16,7 @@ import re
 import torch
 
 from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
+from course_lib.i18n import N_
 from course_lib.course.grading.sub_worlds import (counted_passes, harness,
                                                   register_on_sub_worlds)
 
@@ -68,10 +69,11 @@ register(Exercise(
 
 # --- lesson12.merge --------------------------------------------------------------------------------
 
-MERGE_CASES = (("two equal blocks", 4, 4, 0.5, ""), ("one key and eight", 1, 8, 0.5, ""),
-               ("large scores (log-sum-exp over 1000)", 4, 4, 600.0, ""),
-               ("the first block masked out", 4, 4, 0.5, "a"),
-               ("both blocks masked out", 4, 4, 0.5, "both"))
+MERGE_CASES = ((N_("two equal blocks"), 4, 4, 0.5, ""),
+               (N_("one key and eight"), 1, 8, 0.5, ""),
+               (N_("large scores (log-sum-exp over 1000)"), 4, 4, 600.0, ""),
+               (N_("the first block masked out"), 4, 4, 0.5, "a"),
+               (N_("both blocks masked out"), 4, 4, 0.5, "both"))
 
 
 def merge_inputs(n_a: int, n_b: int, empty: str):

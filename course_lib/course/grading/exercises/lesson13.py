@@ -264,11 +264,11 @@ register_on_sub_worlds(
 
 # (label, expert_index, scores, experts, capacity): judged on rank 0 alone
 DROP_CASES = [
-    ("3 choices for expert 0, room for 2", [[0], [0], [0]], [[0.5], [0.9], [0.7]], 2, 2),
-    ("equal scores", [[1], [1], [1]], [[0.6], [0.6], [0.6]], 2, 2),
-    ("top-2: each expert ranks its own choices",
+    (N_("3 choices for expert 0, room for 2"), [[0], [0], [0]], [[0.5], [0.9], [0.7]], 2, 2),
+    (N_("equal scores"), [[1], [1], [1]], [[0.6], [0.6], [0.6]], 2, 2),
+    (N_("top-2: each expert ranks its own choices"),
      [[0, 1], [1, 0], [0, 1], [1, 0]], [[0.6, 0.3], [0.5, 0.4], [0.45, 0.4], [0.9, 0.05]], 2, 2),
-    ("capacity 0", [[0], [1]], [[0.8], [0.7]], 2, 0),
+    (N_("capacity 0"), [[0], [1]], [[0.8], [0.7]], 2, 0),
 ]
 
 

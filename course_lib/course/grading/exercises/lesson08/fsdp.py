@@ -19,6 +19,7 @@ from course_lib.course.grading import RANK, WORLD_SIZE, Exercise, case, register
 from course_lib.course.catalogue import CheckTimeout
 from course_lib.course.grading.exercises.lesson08.common import B, _error, register_on_sub_worlds
 from course_lib.course.grading.sub_worlds import on_first_ranks
+from course_lib.i18n import N_
 
 
 # --- lesson08.unshard and lesson08.reduce_unit_grad --------------------------------------------
@@ -136,13 +137,13 @@ register_on_sub_worlds(
     params=("schedule", "keep"),
     cases=[case(RANK, WORLD_SIZE, k, shapes, keep, earlier, label=label)
            for k, shapes, keep, earlier, label in (
-               (2, [[3, 4], [5]], 0, False, "2 ranks, 2 in flight, keep 0"),
+               (2, [[3, 4], [5]], 0, False, N_("2 ranks, 2 in flight, keep 0")),
                (3, [[5, 2], [7], [4]], 1, True,
-                "3 ranks, 3 in flight, keep 1, gradients of an earlier backward"),
-               (4, [[9], [6]], 1, False, "4 ranks, 2 in flight, keep 1"),
-               (3, [[4]], 1, False, "3 ranks, 1 in flight, keep 1: nothing to do"),
+                N_("3 ranks, 3 in flight, keep 1, gradients of an earlier backward")),
+               (4, [[9], [6]], 1, False, N_("4 ranks, 2 in flight, keep 1")),
+               (3, [[4]], 1, False, N_("3 ranks, 1 in flight, keep 1: nothing to do")),
                (4, [[6], [3], [5]], 0, True,
-                "4 ranks, 3 in flight, keep 0, gradients of an earlier backward"))],
+                N_("4 ranks, 3 in flight, keep 0, gradients of an earlier backward")))],
     harness=settle_harness,
     points=2,
     hints=("Reductions finish oldest first, and a reduction's result exists only once its work "

@@ -20,6 +20,7 @@ from course_lib.course.grading.exercises.lesson08.common import (A, _error, _val
                                                                 register_on_sub_worlds)
 from course_lib.course.grading.harnesses import graded_class, seeded_batch
 from course_lib.course.grading.sub_worlds import SUB_WORLDS, harness, on_first_ranks
+from course_lib.i18n import N_
 
 
 # --- lesson08.shard_range ----------------------------------------------------------------------
@@ -125,10 +126,11 @@ register_on_sub_worlds(
     params=("flat", "shard", "layout"),
     cases=[case(RANK, WORLD_SIZE, k, numels, a, own, label=label)
            for k, numels, a, own, label in (
-               (2, [5], False, False, "2 ranks, 5 elements"),
-               (3, [7, 3], True, False, "3 ranks, tensors of 7 and 3, async"),
-               (4, [9], True, True, "4 ranks, 9 elements, async, the shard a view of the buffer"),
-               (3, [2], False, True, "3 ranks, 2 elements: rank 2 holds only padding"))],
+               (2, [5], False, False, N_("2 ranks, 5 elements")),
+               (3, [7, 3], True, False, N_("3 ranks, tensors of 7 and 3, async")),
+               (4, [9], True, True,
+                N_("4 ranks, 9 elements, async, the shard a view of the buffer")),
+               (3, [2], False, True, N_("3 ranks, 2 elements: rank 2 holds only padding")))],
     harness=ag_harness,
     points=1,
     hints=("An all-gather writes each rank's tensor into that rank's slot of a list of outputs; "
