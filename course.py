@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,8 +26,23 @@ DEPENDENCY_FILES = ("pyproject.toml", "constraints.txt")
 
 
 def run(*cmd: object, env: dict | None = None) -> int:
+    """Run `cmd` in the repository and return its exit code. A SIGTERM or SIGHUP sent to
+    course.py is passed on to it, so ending course.py by PID never leaves it running."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    return subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+    with subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env) as proc:
+        def pass_on(signum: int, _frame: object) -> None:
+            proc.send_signal(signum)
+        caught = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+                  if s is not None]
+        previous = {s: signal.signal(s, pass_on) for s in caught}
+        try:
+            return proc.wait()
+        except BaseException:  # Ctrl-C here, as subprocess.call does
+            proc.kill()
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def dependency_hash() -> str:

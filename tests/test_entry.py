@@ -57,3 +57,39 @@ def test_the_learner_s_lab_has_no_instructor_interface(flags, shown):
         except urllib.error.HTTPError as exc:
             status = exc.code
         assert (status == 200) is shown, status
+
+
+def test_a_sigterm_to_course_py_ends_the_command_it_runs(tmp_path):
+    """`course.py lab` ended by PID (a SIGTERM, as a process manager or a test sends) passes
+    the signal on: the program it started does not outlive it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    marker = tmp_path / "started"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import course; "
+            "course.run(sys.executable, '-c', 'import pathlib, sys, time; '"
+            "f'pathlib.Path({sys.argv[2]!r}).touch(); time.sleep(60)')")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(marker)])
+    children: list = []
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = psutil.Process(proc.pid).children()
+        assert marker.exists() and children, "the command never started"
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"still running after course.py ended: {[p.pid for p in alive]}"
+    finally:  # whatever the assertions say, nothing of this test is left running
+        proc.kill()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
