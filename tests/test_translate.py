@@ -65,6 +65,16 @@ def assert_same_code(english: nbformat.NotebookNode, other: nbformat.NotebookNod
             assert code_tokens(es.source, texts) == code_tokens(en.source, texts), en.get("id")
 
 
+def _translated(cell, folder: Path, pairs: list[tuple[str, str]]):
+    """A notebook of `cell` and its translation by a catalogue of (English, Spanish) pairs."""
+    po = polib.POFile()
+    for english, spanish in pairs:
+        po.append(polib.POEntry(msgctxt=cell.id, msgid=english, msgstr=spanish))
+    po.save(str(folder / "x.po"))
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    return nb, translate.translated(nb, folder / "x.po", "es")
+
+
 def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
     source = ('# Two lines of\n# one paragraph\nx = 1  # after code\n'
               'def f():\n    # inside\n    return "# not a comment"\nprint("Results")\n'
@@ -73,14 +83,10 @@ def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
     found = {p.text: p.kind for p in translate.pieces(cell)}
     assert found == {"Two lines of\none paragraph": "comment", "after code": "comment",
                      "inside": "comment", "Results": "printed"}
-    po = polib.POFile()
-    for english, spanish in [("Two lines of\none paragraph", "Dos líneas de\nun párrafo"),
-                             ("after code", "tras el código"), ("inside", "dentro"),
-                             ("Results", 'Resultados "finales"')]:
-        po.append(polib.POEntry(msgctxt="c1", msgid=english, msgstr=spanish))
-    po.save(str(tmp_path / "x.po"))
-    nb = nbformat.v4.new_notebook(cells=[cell])
-    out = translate.translated(nb, tmp_path / "x.po", "es")
+    nb, out = _translated(cell, tmp_path, [
+        ("Two lines of\none paragraph", "Dos líneas de\nun párrafo"),
+        ("after code", "tras el código"), ("inside", "dentro"),
+        ("Results", 'Resultados "finales"')])
     assert out.cells[0].source == (
         '# Dos líneas de\n# un párrafo\nx = 1  # tras el código\n'
         'def f():\n    # dentro\n    return "# not a comment"\nprint("Resultados \\"finales\\"")\n'
@@ -99,15 +105,11 @@ def test_fstrings_labels_errors_and_stub_docstrings_keep_their_fields(tmp_path: 
     assert found == [("docstring", "Sum the shard."), ("printed", "rank {r}: {t:.2f} ms"),
                      ("printed", "done"), ("label", "bytes"), ("label", "{n} ranks"),
                      ("error", "bad {x!r}")]
-    po = polib.POFile()
-    for english, spanish in [("Sum the shard.", "Suma el fragmento."),
-                             ("rank {r}: {t:.2f} ms", 'rank {r}: {t:.2f} ms "medidos"'),
-                             ("done", "hecho"), ("bytes", "bytes enviados"),
-                             ("{n} ranks", "{n} ranks en total"), ("bad {x!r}", "{x!r} no vale")]:
-        po.append(polib.POEntry(msgctxt="c2", msgid=english, msgstr=spanish))
-    po.save(str(tmp_path / "x.po"))
-    nb = nbformat.v4.new_notebook(cells=[cell])
-    out = translate.translated(nb, tmp_path / "x.po", "es")
+    nb, out = _translated(cell, tmp_path, [
+        ("Sum the shard.", "Suma el fragmento."),
+        ("rank {r}: {t:.2f} ms", 'rank {r}: {t:.2f} ms "medidos"'), ("done", "hecho"),
+        ("bytes", "bytes enviados"), ("{n} ranks", "{n} ranks en total"),
+        ("bad {x!r}", "{x!r} no vale")])
     assert out.cells[0].source == (
         'def f(x):\n    """Suma el fragmento."""\n    ### BEGIN SOLUTION\n    return x\n'
         '    ### END SOLUTION\nprint(f"rank {r}: {t:.2f} ms \\"medidos\\"", "hecho")\n'
