@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -263,8 +264,12 @@ def cli_main(argv: list[str] | None, train: Callable[..., dict],
         cfg = dataclasses.replace(cfg, device=str(torchrun_init(cfg.device)))
         try:
             result = train(cfg, dist=tdist)
+            tdist.barrier()  # no rank tears its connections down while a peer still uses them
         finally:
             tdist.destroy_process_group()
+            # Free the groups (a Run's cycles hold them) while the interpreter runs: a gloo
+            # worker thread that releases a tensor during interpreter shutdown aborts the rank.
+            gc.collect()
     else:
         check_config(cfg, world)
         from course_lib.spawn import spawn
