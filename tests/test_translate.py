@@ -82,7 +82,7 @@ def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
     cell = nbformat.v4.new_code_cell(source, id="c1")
     found = {p.text: p.kind for p in translate.pieces(cell)}
     assert found == {"Two lines of\none paragraph": "comment", "after code": "comment",
-                     "inside": "comment", "Results": "printed"}
+                     "inside": "comment", "# not a comment": "returned", "Results": "printed"}
     nb, out = _translated(cell, tmp_path, [
         ("Two lines of\none paragraph", "Dos líneas de\nun párrafo"),
         ("after code", "tras el código"), ("inside", "dentro"),
@@ -95,26 +95,27 @@ def test_comments_and_printed_headings_change_but_not_code(tmp_path: Path):
     assert_same_code(nb, out)
 
 
-def test_fstrings_labels_errors_and_stub_docstrings_keep_their_fields(tmp_path: Path):
+def test_fstrings_labels_errors_returns_and_stub_docstrings_keep_their_fields(tmp_path: Path):
     source = ('def f(x):\n    """Sum the shard."""\n    ### BEGIN SOLUTION\n    return x\n'
               '    ### END SOLUTION\nprint(f"rank {r}: {t:.2f} ms", "done")\n'
               'ax.set(xlabel="bytes", title=f"{n} ranks")\nraise ValueError(f"bad {x!r}")\n'
-              'print(f"{a} {b}", rb"raw bytes")\n')
+              'print(f"{a} {b}", rb"raw bytes")\ndef g(n):\n    return f"{n} ranks left"\n')
     cell = nbformat.v4.new_code_cell(source, id="c2")
     found = [(p.kind, p.text) for p in translate.pieces(cell)]
     assert found == [("docstring", "Sum the shard."), ("printed", "rank {r}: {t:.2f} ms"),
                      ("printed", "done"), ("label", "bytes"), ("label", "{n} ranks"),
-                     ("error", "bad {x!r}")]
+                     ("error", "bad {x!r}"), ("returned", "{n} ranks left")]
     nb, out = _translated(cell, tmp_path, [
         ("Sum the shard.", "Suma el fragmento."),
         ("rank {r}: {t:.2f} ms", 'rank {r}: {t:.2f} ms "medidos"'), ("done", "hecho"),
         ("bytes", "bytes enviados"), ("{n} ranks", "{n} ranks en total"),
-        ("bad {x!r}", "{x!r} no vale")])
+        ("bad {x!r}", "{x!r} no vale"), ("{n} ranks left", "quedan {n} ranks")])
     assert out.cells[0].source == (
         'def f(x):\n    """Suma el fragmento."""\n    ### BEGIN SOLUTION\n    return x\n'
         '    ### END SOLUTION\nprint(f"rank {r}: {t:.2f} ms \\"medidos\\"", "hecho")\n'
         'ax.set(xlabel="bytes enviados", title=f"{n} ranks en total")\n'
-        'raise ValueError(f"{x!r} no vale")\nprint(f"{a} {b}", rb"raw bytes")\n')
+        'raise ValueError(f"{x!r} no vale")\nprint(f"{a} {b}", rb"raw bytes")\n'
+        'def g(n):\n    return f"quedan {n} ranks"\n')
     assert_same_code(nb, out)
     compile(out.cells[0].source, "cell", "exec")
 

@@ -87,8 +87,20 @@ def _wrong(got: Any, expected: Any, where: str) -> str:
              expected=show(expected))
 
 
+def _keys_translated(value: Any) -> Any:
+    """`value` with its dicts' string keys in the learner's language: a check's data names its
+    parts in its keys, the package's messages (marked N_() where the data is made)."""
+    if isinstance(value, dict):
+        return {_(k) if isinstance(k, str) else k: _keys_translated(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_keys_translated(v) for v in value)
+    return value
+
+
 def show(value: Any) -> str:
-    """A short one-line repr of any value (tensors by shape, dtype and a few values)."""
+    """A short one-line repr of any value (tensors by shape, dtype and a few values; a dict's
+    keys translated)."""
+    value = _keys_translated(value)
     if _is_tensor(value):
         flat = value.detach().reshape(-1)[:6].tolist()
         more = ", ..." if value.numel() > 6 else ""

@@ -22,11 +22,13 @@ def code_of(source: str) -> str:
                      for line in source.split("\n"))
 
 
-def shown_literals(source: str, docstrings: bool = False) -> list[tuple[ast.expr, str]]:
+def shown_literals(source: str, docstrings: bool = False,
+                   returned: bool = False) -> list[tuple[ast.expr, str]]:
     """(string literal, kind) of every text a learner reads when `source` runs: what it prints
     ("printed"), a plot's title, axis labels and legends ("label"), an error's message
-    ("error"); with `docstrings`, each function's and class's docstring ("docstring"). A
-    literal passed to `_()`, `N_()` or `ngettext()` is the package catalogues'."""
+    ("error"); with `docstrings`, each function's and class's docstring ("docstring"); with
+    `returned`, what a function returns (a lesson's demo returns the line its cell prints).
+    A literal passed to `_()`, `N_()` or `ngettext()` is the package catalogues'."""
     try:
         tree = ast.parse(code_of(source))
     except SyntaxError:
@@ -71,6 +73,8 @@ def shown_literals(source: str, docstrings: bool = False) -> list[tuple[ast.expr
                     add(kw.value, "label")
         elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
             add(node.exc.args[0], "error")
+        elif returned and isinstance(node, ast.Return) and node.value is not None:
+            add(node.value, "returned")
         elif docstrings and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr):

@@ -43,11 +43,13 @@ _FIELD = re.compile(r"\{[^{}]*\}")
 KINDS = {"markdown": "markdown cell", "comment": "comment in a code cell",
          "printed": "text a code cell prints", "label": "a plot's title, axis label or legend",
          "error": "an error message a code cell raises",
+         "returned": "text a function of a code cell returns (its cell prints it)",
          "docstring": "the docstring of an exercise's stub"}
 
 @dataclass(frozen=True)
 class Piece:
-    """One translatable text of a cell: kind is "markdown", "comment" or "printed"; `where`
+    """One translatable text of a cell: kind is "markdown", "comment" or one of
+    `shown_literals`' ("printed", "label", "error", "returned", "docstring"); `where`
     is (first line, last line, start column, end column) in the cell's source."""
 
     kind: str
@@ -89,7 +91,7 @@ def _literals(source: str, docstrings: bool) -> list[Piece]:
     concatenation gives one piece a token) that holds a word outside its `{fields}`."""
     lines = source.split("\n")
     spans = []
-    for node, kind in shown_literals(source, docstrings):
+    for node, kind in shown_literals(source, docstrings, returned=True):
         start = (node.lineno, _column(lines[node.lineno - 1], node.col_offset))
         end = (node.end_lineno, _column(lines[node.end_lineno - 1], node.end_col_offset))
         spans.append((start, end, kind))
@@ -235,7 +237,7 @@ def lesson_problems(src: Path, lang: str) -> list[str]:
                 lines.append(f"{where}: not translated yet in {po_path.name}")
             elif (_SOURCE_MARKERS.findall(entry.msgid) != _SOURCE_MARKERS.findall(entry.msgstr)):
                 lines.append(f"{where}: the translation must keep the ### BEGIN/END lines")
-            elif piece.kind in ("printed", "label", "error") and (  # fields: code, if f-strings
+            elif piece.kind in ("printed", "label", "error", "returned") and (  # fields: code, if f-strings
                     sorted(_FIELD.findall(entry.msgid)) != sorted(_FIELD.findall(entry.msgstr))):
                 lines.append(f"{where}: the translation must keep the text's fields, "
                              f"{' '.join(_FIELD.findall(entry.msgid))} (they are code)")

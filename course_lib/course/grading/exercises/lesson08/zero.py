@@ -237,18 +237,19 @@ def _zero_body(dist, rank: int, fn, which: str, stage: int, steps: int, micro: i
             except (NotImplementedError, CheckTimeout):
                 raise
             except Exception as exc:  # noqa: BLE001 - what went wrong is the check's answer
-                return {"backward raised": _error(exc), "flat gradient sizes": [
+                return {N_("backward raised"): _error(exc), N_("flat gradient sizes"): [
                     None if b.staging is None else b.staging.numel() for b in opt.buckets]}
             launches.append(list(opt.launches))
             opt.launches.clear()
-        kept = {"full gradients in p.grad": sum(p.grad is not None for p in model.parameters()),
-                "buckets still holding a flat gradient or a reduction": sum(
+        kept = {N_("full gradients in p.grad"): sum(p.grad is not None
+                                                     for p in model.parameters()),
+                N_("buckets still holding a flat gradient or a reduction"): sum(
                     b.staging is not None or b.reduced is not None or b.work is not None
                     for b in opt.buckets)}
         opt.step()
     return {"parameters": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "launches in each backward: (bucket, gradients ready then)": launches,
-            "after the last backward": kept}
+            N_("launches in each backward: (bucket, gradients ready then)"): launches,
+            N_("after the last backward"): kept}
 
 
 def zero_harness(which: str):

@@ -28,7 +28,8 @@ from course_lib.course.grading.exercises.lesson11.step import (
     labels_of, rank_params, reduce_harness, step_config, step_harness, unscale_harness)
 from course_lib.course.grading.exercises.lesson11.clipping import norm_harness
 from course_lib.course.grading.exercises.lesson11.learn_build_buy import (
-    A100, G, H100, SCENARIOS, SMALL_GPU, as_scenario, cost_harness, plan_harness, scenario)
+    A100, G, H100, SCENARIOS, SMALL_GPU, as_scenario, cost_harness, plan_harness, scenario,
+    scenarios)
 
 __all__ = ["PART_A", "PART_B", "PART_C", "AXES", "groups_harness", "stand_in_model",
            "stage_harness", "precision_model", "precision_input", "precision_report",
@@ -36,5 +37,5 @@ __all__ = ["PART_A", "PART_B", "PART_C", "AXES", "groups_harness", "stand_in_mod
            "coordinates", "StandInLayout", "labels_of", "grad_value", "rank_params",
            "reduce_harness", "unscale_harness", "STEP_MODEL", "step_config", "step_harness",
            "norm_harness", "G",
-           "A100", "H100", "SMALL_GPU", "scenario", "SCENARIOS", "as_scenario", "cost_harness",
-           "plan_harness"]
+           "A100", "H100", "SMALL_GPU", "scenario", "SCENARIOS", "as_scenario", "scenarios",
+           "cost_harness", "plan_harness"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from course_lib.course.grading import Exercise, case, register
 from course_lib.course.grading.exercises.lesson11.common import PART_C
+from course_lib.i18n import N_, _
 
 
 # --- 11c: lesson11.step_cost and lesson11.plan -------------------------------------------------
@@ -35,32 +36,38 @@ def scenario(name: str, params: float, layers: int, hidden: int, heads: int, seq
 
 
 SCENARIOS = {
-    "1.3B": scenario("fine-tune 1.3B, one node of 8 A100", 1.3e9, 24, 2048, 16, 2048, 64, 4, 8,
-                     8, ("PyTorch", "DeepSpeed"), inter=12.5 * G, **A100),
-    "7B, 2 nodes": scenario("7B, 2 nodes of 8 H100, 100 Gb/s between them", 7e9, 32, 4096, 32,
-                            4096, 256, 1, 16, 8, ("PyTorch", "DeepSpeed", "Megatron-Core"),
+    "1.3B": scenario(N_("fine-tune 1.3B, one node of 8 A100"), 1.3e9, 24, 2048, 16, 2048, 64,
+                     4, 8, 8, ("PyTorch", "DeepSpeed"), inter=12.5 * G, **A100),
+    "7B, 2 nodes": scenario(N_("7B, 2 nodes of 8 H100, 100 Gb/s between them"), 7e9, 32, 4096,
+                            32, 4096, 256, 1, 16, 8, ("PyTorch", "DeepSpeed", "Megatron-Core"),
                             inter=12.5 * G / 8, **H100),
-    "70B": scenario("70B, 8 nodes of 8 H100, 400 Gb/s per GPU", 70e9, 80, 8192, 64, 4096, 512,
-                    1, 64, 8, ("Megatron-Core", "PyTorch"), inter=50 * G, **H100),
-    "7B, 24 GB": scenario("7B on 8 GPUs of 24 GB", 7e9, 32, 4096, 32, 4096, 64, 1, 8, 8,
+    "70B": scenario(N_("70B, 8 nodes of 8 H100, 400 Gb/s per GPU"), 70e9, 80, 8192, 64, 4096,
+                    512, 1, 64, 8, ("Megatron-Core", "PyTorch"), inter=50 * G, **H100),
+    "7B, 24 GB": scenario(N_("7B on 8 GPUs of 24 GB"), 7e9, 32, 4096, 32, 4096, 64, 1, 8, 8,
                           ("PyTorch",), **SMALL_GPU),
-    "70B, 24 GB": scenario("70B on 8 GPUs of 24 GB", 70e9, 80, 8192, 64, 4096, 64, 1, 8, 8,
+    "70B, 24 GB": scenario(N_("70B on 8 GPUs of 24 GB"), 70e9, 80, 8192, 64, 4096, 64, 1, 8, 8,
                            ("PyTorch", "DeepSpeed"), **SMALL_GPU),
-    "TF, 350M": scenario("350M, a TensorFlow team, 4 A100", 350e6, 24, 1024, 16, 1024, 128, 8,
-                         4, 4, ("tf.distribute",), inter=12.5 * G, **A100),
-    "TF, 7B": scenario("7B, a TensorFlow team, 8 A100 of 40 GB", 7e9, 32, 4096, 32, 4096, 64,
-                       1, 8, 8, ("tf.distribute",), memory=40 * G, flops=125e12,
+    "TF, 350M": scenario(N_("350M, a TensorFlow team, 4 A100"), 350e6, 24, 1024, 16, 1024, 128,
+                         8, 4, 4, ("tf.distribute",), inter=12.5 * G, **A100),
+    "TF, 7B": scenario(N_("7B, a TensorFlow team, 8 A100 of 40 GB"), 7e9, 32, 4096, 32, 4096,
+                       64, 1, 8, 8, ("tf.distribute",), memory=40 * G, flops=125e12,
                        intra=150 * G, inter=12.5 * G),
-    "capstone": scenario("the capstone's GPT, 4 CPU ranks of a laptop", 0.8e6, 4, 128, 4, 64,
-                         16, 4, 4, 4, ("ours", "PyTorch"), memory=4 * G, flops=20e9,
+    "capstone": scenario(N_("the capstone's GPT, 4 CPU ranks of a laptop"), 0.8e6, 4, 128, 4,
+                         64, 16, 4, 4, 4, ("ours", "PyTorch"), memory=4 * G, flops=20e9,
                          intra=2 * G, inter=2 * G),
 }
 
 
 def as_scenario(spec: dict) -> Any:
+    """`spec` as a `course_lib.planning.Scenario`, its name in the learner's language."""
     from course_lib.planning import Scenario
 
-    return Scenario(**spec)
+    return Scenario(**{**spec, "name": _(spec["name"])})
+
+
+def scenarios() -> list[Any]:
+    """Every scenario of the lesson, in order (`as_scenario`)."""
+    return [as_scenario(spec) for spec in SCENARIOS.values()]
 
 
 def cost_harness(fn, spec: dict, dp: int, tp: int, pp: int, zero: int) -> dict:

@@ -241,10 +241,10 @@ def zero_gradient_path(rank: int, world_size: int, k: int, stage: int, steps: in
         with_grad = sum(p.grad is not None for p in model.parameters())
         opt.step()
     return {"parameters": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "launches in each backward: (bucket, gradients ready then)": launches,
-            "after the last backward": {
-                "full gradients in p.grad": 0 if stage == 2 else with_grad,
-                "buckets still holding a flat gradient or a reduction": 0}}
+            N_("launches in each backward: (bucket, gradients ready then)"): launches,
+            N_("after the last backward"): {
+                N_("full gradients in p.grad"): 0 if stage == 2 else with_grad,
+                N_("buckets still holding a flat gradient or a reduction"): 0}}
 
 
 def explain_gradient_path(case, rank, expected, got) -> str | None:
