@@ -61,13 +61,37 @@ def ensure_env() -> None:
         return
     if not PY.exists() and run(sys.executable, "-m", "venv", VENV) != 0:
         sys.exit("could not create .venv (on Debian/Ubuntu: apt install python3-venv)")
+    wanted_set = ("-c", "constraints.txt", "-e", ".[course,mpi,dev]")
+    # uv installs the same pinned set several times faster than pip; pip does it where uv
+    # cannot be had or fails.
+    uv = BIN / ("uv.exe" if os.name == "nt" else "uv")
+    if (run(PY, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "uv") == 0
+            and run(uv, "pip", "install", "--quiet", "--python", PY, "--compile-bytecode",
+                    *pip_sources(), *wanted_set) == 0):
+        STAMP.write_text(wanted)
+        return
     steps = [(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip"),
-             (PY, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e",
-              ".[course,mpi,dev]")]
+             (PY, "-m", "pip", "install", "--quiet", *wanted_set)]
     for step in steps:
         if run(*step) != 0:
             sys.exit("installing the dependencies failed (see pip's message above)")
     STAMP.write_text(wanted)
+
+
+def pip_sources() -> list[str]:
+    """pip's configured package sources (its config files and PIP_* variables: the CPU wheel's
+    index, a local folder of wheels) as uv's flags, which reads neither; like pip, uv then takes
+    a release from whichever source has it (`--index-strategy unsafe-best-match`)."""
+    listed = subprocess.run([str(PY), "-m", "pip", "config", "list"], capture_output=True,
+                            text=True).stdout
+    sources: dict[tuple[str, str], None] = {}  # in order, each once (a file and a variable)
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in ("index-url", "extra-index-url", "find-links"):
+            sources.update(dict.fromkeys(("--" + name, v)
+                                         for v in value.strip().strip("'\"").split()))
+    return ["--index-strategy", "unsafe-best-match", *(x for pair in sources for x in pair)]
 
 
 LOCALES = {"en": "en", "es": "es_ES"}  # the course's editions -> JupyterLab's language packs

@@ -93,3 +93,23 @@ def test_a_sigterm_to_course_py_ends_the_command_it_runs(tmp_path):
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_course_py_hands_pip_s_package_sources_to_uv(monkeypatch):
+    """The install goes through uv, which reads no pip setting: the indexes and wheel folders
+    pip is given (the README's CPU index among them) reach uv as flags, each once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("course_entry", ROOT / "course.py")
+    course = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(course)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/somewhere/wheels")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL",
+                       "https://download.pytorch.org/whl/cpu https://mirror.example/simple")
+    flags = course.pip_sources()
+    pairs = list(zip(flags[::2], flags[1::2]))
+    assert pairs[0] == ("--index-strategy", "unsafe-best-match")  # pip's: any source's release
+    assert {("--find-links", "/somewhere/wheels"),
+            ("--extra-index-url", "https://download.pytorch.org/whl/cpu"),
+            ("--extra-index-url", "https://mirror.example/simple")} <= set(pairs)
+    assert len(pairs) == len(set(pairs)) == len(flags) // 2
