@@ -190,7 +190,10 @@ def absent_peer(rank: int, world: int, outdir: str, how: str, path: str) -> None
         time.sleep(0.5)  # rank 0 is waiting in the all_reduce by now
         if how == "dies":
             os._exit(17)
-        time.sleep(7.5)
+        last = os.path.join(outdir, "rank10.json" if path == "one_shot" else "rank0.json")
+        deadline = time.monotonic() + 10.0
+        while not os.path.exists(last) and time.monotonic() < deadline:
+            time.sleep(0.05)  # alive, and silent, until rank 0 has recorded what it met
         return
     record_outcome(lambda: dist.all_reduce(buf, group=g), outdir, 0)
     if path == "one_shot" and how == "waits":  # out of step now: later calls say so at once

@@ -26,7 +26,7 @@ from course_lib.train import (DynamicLossScaler, Run, TrainConfig, check_config,
                               torchrun, train, train_one_process, update_scale)
 from course_lib.train_loop import one_process, one_process_config, run_steps
 
-TINY = TrainConfig(steps=20, batch_size=8, micro_batches=2, block_size=16, n_layer=2, n_head=2,
+TINY = TrainConfig(steps=12, batch_size=8, micro_batches=2, block_size=16, n_layer=2, n_head=2,
                    n_embd=32)
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-3  # bf16 keeps 8 bits of mantissa: partial sums rounded in another order
@@ -109,10 +109,10 @@ def results(tmp_path_factory):
                  if kw["dp"] == 4})
     cfgs.update({name: dataclasses.replace(LONG, **kw) for name, kw in LONG_LAYOUTS.items()
                  if long_world(kw) == 4})
-    for name in RESUMED:  # stopped after 10 steps (checkpoints at 5 and 10), then resumed
+    for name in RESUMED:  # stopped after 6 steps (checkpoints at 3 and 6), then resumed
         folder = str(tmp_path_factory.mktemp("checkpoints"))
         cfgs[name + " stopped"] = dataclasses.replace(
-            cfgs[name], steps=10, checkpoint_dir=folder, checkpoint_every=5)
+            cfgs[name], steps=6, checkpoint_dir=folder, checkpoint_every=3)
         cfgs[name + " resumed"] = dataclasses.replace(cfgs[name], checkpoint_dir=folder)
     return spawn(run_layouts, 4, cfgs, backend="scratch", timeout=600)
 
@@ -148,9 +148,9 @@ def test_sgd_layout_matches_one_process(results, reference, name):
 def test_a_run_resumed_from_its_checkpoint_ends_where_an_uninterrupted_one_does(results, name):
     """Lesson 09's checkpoints: model, optimizer (ZeRO's shards too), step and data position."""
     stopped, resumed = results[0][name + " stopped"], results[0][name + " resumed"]
-    assert stopped["losses"] == results[0][name]["losses"][:10]
-    assert resumed["first_step"] == 10
-    assert resumed["losses"] == results[0][name]["losses"][10:]  # bit for bit
+    assert stopped["losses"] == results[0][name]["losses"][:6]
+    assert resumed["first_step"] == 6
+    assert resumed["losses"] == results[0][name]["losses"][6:]  # bit for bit
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "bf16" in n])
