@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 0.05
 PROBE_SECONDS = 1.0  # how often a rank on another host is checked for a live listener
-INTERRUPT_GRACE = 10.0  # seconds a rank gets to unwind after SIGINT before its engines restart
+INTERRUPT_GRACE = 5.0  # seconds a rank gets to unwind after SIGINT before its engines restart
 
 log = logging.getLogger(__name__)
 
