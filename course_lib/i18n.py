@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import string
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +26,8 @@ LANG_ENV = "COURSE_LANG"
 PACKAGE_DIR = Path(__file__).resolve().parent
 _active: contextvars.ContextVar[str | None] = contextvars.ContextVar("course_lang", default=None)
 _loaded: dict[Path, tuple[float, dict[str, str]]] = {}
+_merged: dict[Path, tuple[float, tuple, dict]] = {}  # a locale folder: (checked, stamps, union)
+RECHECK_SECONDS = 1.0
 
 
 def current() -> str:
@@ -69,9 +72,8 @@ def catalogue(path: Path) -> dict[str, str | tuple[str, ...]]:
     entry with plural forms maps its singular to the tuple of its forms."""
     import polib
 
-    try:
-        stamp = path.stat().st_mtime
-    except OSError:
+    stamp = _stamp(path)
+    if stamp is None:
         return {}
     if path not in _loaded or _loaded[path][0] != stamp:
         entries = polib.pofile(str(path))
@@ -95,11 +97,27 @@ def package_po(lang: str, name: str = "course_lib") -> Path:
 
 
 def translations(lang: str) -> dict[str, str | tuple[str, ...]]:
-    """{English: translation} over every package catalogue of `lang`."""
-    found: dict[str, str] = {}
-    for path in sorted((PACKAGE_DIR / "locale" / lang).glob("*.po")):
-        found.update(catalogue(path))
+    """{English: translation} over every package catalogue of `lang`, merged again only when
+    a catalogue changed, looked for at most once a second (every `_()` call asks)."""
+    folder, now = PACKAGE_DIR / "locale" / lang, time.monotonic()
+    checked, stamps, found = _merged.get(folder, (-RECHECK_SECONDS, (), {}))
+    if now - checked < RECHECK_SECONDS:
+        return found
+    paths = sorted(folder.glob("*.po"))
+    latest = tuple((path, _stamp(path)) for path in paths)
+    if latest != stamps:
+        found = {}
+        for path in paths:
+            found.update(catalogue(path))
+    _merged[folder] = (now, latest, found)
     return found
+
+
+def _stamp(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def _(message: str, /, **fields: object) -> str:
