@@ -104,7 +104,7 @@ class Listener:
                 peer_rank = server_handshake(conn, secret, rank, world_size, deadline)
                 on_peer(peer_rank, _tune(conn), deadline)
             except (ProtocolError, OSError) as exc:
-                self.reject(addr, exc or type(exc).__name__, rank)
+                self.reject(addr, str(exc) or type(exc).__name__, rank)
                 conn.close()
 
         def accept_loop() -> None:
@@ -211,7 +211,7 @@ class Transport:
                     raise DistError(_("rank {rank}: init_process_group connect to rank "
                                       "{peer_rank} at {address} failed: {error}", rank=rank,
                                       peer_rank=peer_rank, address=addresses[peer_rank],
-                                      error=exc or type(exc).__name__), rank=rank,
+                                      error=str(exc) or type(exc).__name__), rank=rank,
                                     peer_rank=peer_rank, operation="init_process_group") from None
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self.peers) == world_size - 1,
