@@ -151,8 +151,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
                           clip_grad_norm=cfg.clip_grad_norm))
     problems += _long_sequence_problems(cfg)
     if cfg.dp % cfg.ep or cfg.ep > 1 and not cfg.n_expert or cfg.n_expert % cfg.ep:
-        problems.append(_("ep={ep}: it divides dp={dp} and n_expert={n_expert} > 0", ep=cfg.ep,
-                          dp=cfg.dp, n_expert=cfg.n_expert))
+        problems.append(_("ep={ep}: it must divide dp={dp} and n_expert={n_expert} > 0",
+                          ep=cfg.ep, dp=cfg.dp, n_expert=cfg.n_expert))
     if cfg.n_expert and (cfg.top_k not in (1, 2) or cfg.top_k > cfg.n_expert):
         problems.append(_("top_k={top_k}: 1 or 2, at most n_expert={n_expert}", top_k=cfg.top_k,
                           n_expert=cfg.n_expert))
@@ -175,8 +175,8 @@ def _long_sequence_problems(cfg: TrainConfig) -> list[str]:
             problems.append(_("{what} with pp={pp}: a pipeline stage would pass a part of each "
                               "sequence; run it with pp=1", what=what, pp=cfg.pp))
         if cfg.stack != "course":
-            problems.append(_("{what}: the course's stack (got stack={stack})", what=what,
-                              stack=repr(cfg.stack)))
+            problems.append(_("{what} runs on the course's stack only (got stack={stack})",
+                              what=what, stack=repr(cfg.stack)))
     if cfg.cp > 1 and (cfg.sample or cfg.sample_every):
         problems.append(_("cp={cp}: sampling needs every position of a prefix on a rank (cp=1)",
                           cp=cfg.cp))
