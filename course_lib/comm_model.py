@@ -7,7 +7,7 @@
     table = build_table(fit, [2, 3, 4], sizes)   # MPICH-style: size thresholds per world size
     dist.set_all_reduce_table(table)             # all_reduce(algorithm="auto") follows it
 
-Each algorithm's time is a count of messages, bytes and bytes reduced on the busiest rank,
+Each algorithm's time is a count of messages, bytes and bytes added on the busiest rank,
 times alpha, beta and gamma: linear in them, so a least-squares fit over several algorithms
 and sizes recovers all three. (`measure`: lesson 10a's measurement,
 `course_lib.course.demos.message_costs.measure`.)
@@ -40,7 +40,7 @@ __all__ = ["ALGORITHMS", "Fit", "terms", "cost", "fit_model", "choose_algorithm"
 
 # %% solutions/10a_message_cost.ipynb, cell 16
 def terms(algorithm: str, nbytes: float, p: int) -> tuple[float, float, float]:
-    """(messages, bytes, bytes reduced) on the busiest rank, one after another, of one all_reduce
+    """(messages, bytes, bytes added) on the busiest rank, one after another, of one all_reduce
     of `nbytes` on `p` ranks; a world that is not a power of two folds its extra ranks in and
     out first."""
     if algorithm not in ALGORITHMS:
