@@ -185,7 +185,7 @@ def test_no_process_left_behind(graded):
     assert len(graded["kernels"]) == 7  # every submission but the invalid file got a kernel
     for pid in graded["kernels"]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
-    assert tagged_processes(HANG) == []  # the child it started, wherever its PID came from
+    assert tagged_processes(HANG, "1") == []  # the child it started, wherever its PID came from
 
 
 def test_results_written_after_each_submission(graded):
@@ -251,7 +251,7 @@ def test_interrupted_grader_keeps_results_and_leaves_no_process(tmp_path):
     assert [(r["student"], r["points"]) for r in rows] == [("a_97_fixture", 2.0),
                                                             ("a_97_fixture", 1.0)]
     assert len(pids.read_text().split()) == 2  # the kernel and its child had started
-    assert tagged_processes(HANG) == []
+    assert tagged_processes(HANG, "1") == []
 
 
 STARTS_A_KERNEL = """
@@ -279,8 +279,8 @@ def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
         assert psutil.pid_exists(kernel)
         grader.kill()
         grader.wait(10)
-        left = psutil.wait_procs(tagged_processes(tag), timeout=15)[1]
+        left = psutil.wait_procs(tagged_processes(tag, "1"), timeout=15)[1]
         assert left == [], [p.cmdline() for p in left]
     finally:
-        end_processes([(p.pid, p.create_time()) for p in tagged_processes(tag)], grace=1.0,
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(tag, "1")], grace=1.0,
                       reap=False)

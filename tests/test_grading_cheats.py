@@ -137,16 +137,17 @@ def run(tmp_path_factory):
         (root / "subs" / name).mkdir(parents=True)
         nbformat.write(nb, root / "subs" / name / SOLUTION.name)
     out = root / "out"
-    env = dict(os.environ, **{TAG: uuid.uuid4().hex})
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, **{TAG: marker})
     try:
         done = subprocess.run(
             [sys.executable, "-m", "course_lib.course.grading.cli", str(root / "subs"), "--out", str(out),
              "--exercises", str(FIXTURES / "exercises_96.py"), "--source", str(FIXTURES),
              "--memory-limit", "2", "--file-limit", "64", "--timeout-notebook", "60"],
             env=env, capture_output=True, text=True, timeout=600)
-        left = [p.pid for p in tagged_processes(TAG)]
+        left = [p.pid for p in tagged_processes(TAG, marker)]
     finally:  # whatever the assertions say, leave nothing behind
-        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG)], grace=2.0,
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG, marker)], grace=2.0,
                       reap=False)
     assert done.returncode == 0, done.stderr
     return {"out": out, "evidence": evidence, "left": left, "stderr": done.stderr}

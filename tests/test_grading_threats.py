@@ -113,19 +113,20 @@ def run(tmp_path_factory):
     source.mkdir()
     for path in [*(ROOT / "solutions").glob("0[03]*.ipynb"), FIXTURES / "96_cheats.ipynb"]:
         shutil.copy(path, source / path.name)
-    env = dict(os.environ, **{TAG: uuid.uuid4().hex})
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, **{TAG: marker})
     try:
         done = subprocess.run(
             [sys.executable, "-m", "course_lib.course.grading.cli", str(subs), "--out", str(out),
              "--exercises", str(FIXTURES / "exercises_96.py"), "--source", str(source),
              "--timeout-notebook", "300"],
             env=env, capture_output=True, text=True, timeout=900)
-        left = [p.pid for p in tagged_processes(TAG)]  # the whole process table, by marker
+        left = [p.pid for p in tagged_processes(TAG, marker)]  # the whole process table, by marker
         graded = (out / "grades.json").read_text()
         time.sleep(3)  # a phoenix that survived would rewrite the grades by now
         later = (out / "grades.json").read_text()
     finally:  # whatever the assertions say, leave nothing behind
-        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG)], grace=2.0,
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG, marker)], grace=2.0,
                       reap=False)
     assert done.returncode == 0, done.stderr
     rows = {(r["student"], r["exercise"]): r for r in json.loads(later)}
