@@ -6,9 +6,11 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -55,7 +57,11 @@ def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
     command = [sys.executable, "-m", "course_lib.course.grading.cli", str(subs), "--out", str(out),
                "--exercises", str(FIXTURES / "exercises_97.py"), "--source", str(FIXTURES),
                "--resume"]
-    env = dict(os.environ, **{TAG: uuid.uuid4().hex})
+    # the runs' temporary folder, where a killed run's work is left (a short path: a kernel's
+    # Unix sockets are made inside it)
+    scratch = Path(tempfile.mkdtemp(prefix="cg-"))
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, **{TAG: marker, "TMPDIR": str(scratch)})
     # Each run is killed at a random moment once the students graded so far (by every run) reach
     # a count: while it starts, runs a kernel or writes results; on a slow machine as on a
     # fast one the kills land at different submissions (a fixed clock once let all four land
@@ -78,16 +84,19 @@ def test_killed_at_random_moments_then_resumed_grades_everyone_once(tmp_path):
         # a killed run's kernel notices its parent is gone within a second when idle; on a
         # loaded machine, or killed mid-start (its parent watcher starts only after its
         # imports), it took over 15 s in a full clean-clone run
-        psutil.wait_procs(tagged_processes(TAG), timeout=60)
-        left = [p.pid for p in tagged_processes(TAG)]  # zombies: their parent reaps them
+        psutil.wait_procs(tagged_processes(TAG, marker), timeout=60)
+        left = [p.pid for p in tagged_processes(TAG, marker)]  # zombies: their parent reaps them
     finally:
-        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG)], grace=2.0,
+        end_processes([(p.pid, p.create_time()) for p in tagged_processes(TAG, marker)], grace=2.0,
                       reap=False)
+        left_folders = sorted(p.name for p in scratch.glob("course-grade-*"))
+        shutil.rmtree(scratch, ignore_errors=True)
     rows = _whole(out)
     graded = [r["student"] for r in rows if r["exercise"] == "lesson97.mean"]
     assert sorted(graded) == [f"{s}_97_fixture" for s in STUDENTS]  # each exactly once
-    assert all(r["points"] == r["max_points"] for r in rows), rows
+    assert all(r["points"] == r["max_points"] for r in rows), [r["reason"] for r in rows]
     assert seen == sorted(seen) and seen[-1] < len(rows), seen  # every kill interrupted it
     assert len(set(seen)) > 1, seen  # and at different submissions
     assert left == []
     assert not (out / ".course-grade-pids.json").exists()
+    assert left_folders == []  # the killed runs' work folders too

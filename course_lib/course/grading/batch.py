@@ -181,20 +181,24 @@ def _run_checks(session: KernelSession, exercises: list[Exercise], work: Path,
 
 def grade_submission(sub: Submission, *, forked_from: subprocess.Popen,
                      limits: Limits = Limits(), lesson: str | None = None,
-                     source: Path = SOURCE, env: dict[str, str] | None = None) -> list[dict]:
+                     source: Path = SOURCE, env: dict[str, str] | None = None,
+                     scratch: Path | None = None) -> list[dict]:
     """One row per exercise of the submission's lesson (or one row if that cannot be told).
-    `source` holds the instructor's notebooks; `forked_from`, the run's kernel zygote.
+    `source` holds the instructor's notebooks; `forked_from`, the run's kernel zygote;
+    `scratch`, the run's folder for its work folders (the temporary folder by default).
     Reasons are written in the submission's edition (a Spanish notebook gets Spanish ones)."""
     nb, name, exercises, error = _read(sub, lesson)
     lang = language_of(nb) if nb is not None else None
     with language(lang):
         return _grade(sub, nb, name, exercises, error, limits, source,
-                      dict(env or os.environ, **({LANG_ENV: lang} if lang else {})), forked_from)
+                      dict(env or os.environ, **({LANG_ENV: lang} if lang else {})), forked_from,
+                      scratch)
 
 
 def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
            exercises: list[Exercise], error: str, limits: Limits, source: Path,
-           env: dict[str, str], forked_from: subprocess.Popen) -> list[dict]:
+           env: dict[str, str], forked_from: subprocess.Popen,
+           scratch: Path | None) -> list[dict]:
     def rows(graded: list[tuple[Exercise, float, str]]) -> list[dict]:
         return [_row(sub.student, sub.path, ex.name, points, float(ex.points), reason)
                 for ex, points, reason in graded]
@@ -208,7 +212,8 @@ def _grade(sub: Submission, nb: nbformat.NotebookNode | None, name: str | None,
             error = _("grader error: {error}", error=exc)
     if error:
         return rows([(ex, 0.0, error) for ex in exercises])
-    work = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    # short: the kernel's Unix sockets are in it (a socket's path holds at most 107 bytes)
+    work = Path(tempfile.mkdtemp(prefix="s-" if scratch else "course-grade-", dir=scratch))
     (work / "cwd").mkdir()
     token = secrets.token_hex(16)
     session = KernelSession(nb, work / "cwd")
@@ -280,7 +285,7 @@ def grade_all(paths: list[str | os.PathLike], out_dir: str | os.PathLike, *,
                 continue
             start = time.monotonic()
             new = grade_submission(sub, limits=limits, lesson=lesson, source=Path(source),
-                                   env=env, forked_from=forker)
+                                   env=env, forked_from=forker, scratch=ledger.scratch)
             if results.tampered():
                 for r in new:
                     r["reason"] += (" [the submission wrote into the grades folder: "

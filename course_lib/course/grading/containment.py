@@ -31,6 +31,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -43,6 +44,7 @@ AS_USER = ("--user", "--map-root-user")  # unprivileged: a user namespace first
 SUBMISSION_ENV = "COURSE_GRADE_SUBMISSION"  # in every process of one submission
 TOKEN_ENV = "COURSE_GRADE_RUN"  # in every kernel's environment: which run started it
 LEDGER = ".course-grade-pids.json"
+SCRATCH_PREFIX = "course-grade-"  # a run's scratch folder, in the temporary folder
 
 
 def rlimits(memory_bytes: int, file_bytes: int) -> dict[str, int]:
@@ -73,24 +75,31 @@ def adopted_since(created: float) -> list[psutil.Process]:
 
 
 class Ledger:
-    """One grading run's token, on disk in the grades folder while the run lasts."""
+    """One grading run's token and scratch folder (its submissions' work folders), on disk in
+    the grades folder while the run lasts: a run killed outright is cleaned up by the next."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / LEDGER
         self.token = secrets.token_hex(16)
+        self.scratch: Path | None = None
 
     def write(self) -> None:
+        self.scratch = self.scratch or Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"token": self.token}))
+        tmp.write_text(json.dumps({"token": self.token, "scratch": str(self.scratch)}))
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def end_leftovers(self) -> list[int]:
-        """End every process that still runs with an earlier run's token; returns the PIDs."""
+        """End every process that still runs with an earlier run's token, and remove its
+        scratch folder; returns the PIDs."""
         try:
-            token = str(json.loads(self.path.read_text())["token"])
+            earlier = json.loads(self.path.read_text())
+            token = str(earlier["token"])
         except (OSError, ValueError, KeyError, TypeError):
             return []
         ours = []
@@ -101,8 +110,26 @@ class Ledger:
             except psutil.Error:
                 pass
         end_processes(ours, grace=2.0, reap=False)
-        self.clear()
+        _remove_scratch(earlier.get("scratch"))
+        self.path.unlink(missing_ok=True)
         return [pid for pid, _ in ours]
+
+
+def _remove_scratch(recorded: object) -> None:
+    """Remove an earlier run's scratch folder: only one of ours (a course-grade folder of
+    this user in the temporary folder), whatever the ledger, which a submission could have
+    rewritten, says."""
+    if not isinstance(recorded, str):
+        return
+    folder = Path(recorded)
+    try:
+        ours = (folder.parent == Path(tempfile.gettempdir())
+                and folder.name.startswith(SCRATCH_PREFIX) and not folder.is_symlink()
+                and folder.is_dir() and folder.stat().st_uid == os.getuid())
+    except OSError:
+        return
+    if ours:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=1)
