@@ -257,7 +257,8 @@ def cli_main(argv: list[str] | None, train: Callable[..., dict],
     `course_lib.spawn(spawn_rank, dp * tp * pp, cfg)`."""
     cfg, args = parse_args(argv)
     world = cfg.dp * cfg.cp * cfg.tp * cfg.pp
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun, or any env://
+    if launched:
         import torch.distributed as tdist
         check_config(cfg, int(os.environ["WORLD_SIZE"]))
         from course_lib.backend import torchrun_init
@@ -280,4 +281,8 @@ def cli_main(argv: list[str] | None, train: Callable[..., dict],
     if result["rank"] == 0:
         print(_("final loss {loss:.4f} after {steps} steps, {tokens_per_s:,.0f} tokens/s",
                 loss=result["losses"][-1], steps=cfg.steps, tokens_per_s=result["tokens_per_s"]))
+    if launched:  # the group is gone and the results written: skip the interpreter's teardown,
+        sys.stdout.flush()  # where a gloo thread still releasing a tensor aborts the rank
+        sys.stderr.flush()
+        os._exit(0)
     return 0
