@@ -239,7 +239,7 @@ def test_activation_checkpointing_changes_nothing_but_memory():
     (dict(cp=2, pp=2), "cp=2 with pp=2"),
     (dict(dp=2, tp=2, sp=True, zero=1), "sp=True with zero=1"),
     (dict(dp=2, cp=2, sample=10), "cp=2: sampling needs every position"),
-    (dict(dp=2, cp=2, stack="torch"), "cp=2: the course's stack"),
+    (dict(dp=2, cp=2, stack="torch"), "cp=2 runs on the course's stack only"),
     (dict(dp=4, dropout=1.0), "dropout=1.0: choose a probability in [0, 1)"),
 ])
 def test_bad_layout_is_named_before_anything_runs(kw, named):
