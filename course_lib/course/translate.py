@@ -45,6 +45,7 @@ KINDS = {"markdown": "markdown cell", "comment": "comment in a code cell",
          "error": "an error message a code cell raises",
          "returned": "text a function of a code cell returns (its cell prints it)",
          "docstring": "the docstring of an exercise's stub"}
+CODE_TEXT = ("printed", "label", "error", "returned")  # string literals, f-strings among them
 
 @dataclass(frozen=True)
 class Piece:
@@ -237,7 +238,7 @@ def lesson_problems(src: Path, lang: str) -> list[str]:
                 lines.append(f"{where}: not translated yet in {po_path.name}")
             elif (_SOURCE_MARKERS.findall(entry.msgid) != _SOURCE_MARKERS.findall(entry.msgstr)):
                 lines.append(f"{where}: the translation must keep the ### BEGIN/END lines")
-            elif piece.kind in ("printed", "label", "error", "returned") and (  # fields: code, if f-strings
+            elif piece.kind in CODE_TEXT and (  # an f-string's fields are code
                     sorted(_FIELD.findall(entry.msgid)) != sorted(_FIELD.findall(entry.msgstr))):
                 lines.append(f"{where}: the translation must keep the text's fields, "
                              f"{' '.join(_FIELD.findall(entry.msgid))} (they are code)")
