@@ -23,11 +23,14 @@ Recorded = tuple[int, float]  # (pid, create_time): picklable, and safe against 
 
 
 class RankError(RuntimeError):
-    """An operation failed on some ranks: `failures` maps rank -> what went wrong there."""
+    """An operation failed on some ranks: `failures` maps rank -> what went wrong there;
+    `signals` maps each rank whose process a signal ended to that signal's number."""
 
-    def __init__(self, what: str, failures: dict[int, str], note: str = ""):
+    def __init__(self, what: str, failures: dict[int, str], note: str = "",
+                 signals: dict[int, int] | None = None):
         self.failures = dict(sorted(failures.items()))
         self.note = note
+        self.signals = dict(signals or {})
         lines = [_("{what}: {n} rank(s) failed", what=what, n=len(self.failures))]
         lines += ["  " + _("rank {rank}: {message}", rank=r, message=msg)
                   for r, msg in self.failures.items()]

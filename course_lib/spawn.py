@@ -9,9 +9,13 @@ on every path. Each rank gets LOCAL_RANK and, on a host with a GPU per rank, its
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -54,11 +58,14 @@ def bind_local_gpu(local_rank: int, local_world_size: int) -> Any:
 
 
 def _worker(rank, world_size, backend, timeout, to_parent, from_parent, fn, args, kwargs,
-            env=None, cwd=None):
+            env=None, cwd=None, fault_path=None):
     if env is not None:  # the fork server's were frozen when it started: take the caller's
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+    if fault_path is not None:  # a crash in native code (SIGSEGV, SIGABRT) leaves its Python stack
+        fault_file = open(fault_path, "w")  # noqa: SIM115 - open until the process ends
+        faulthandler.enable(file=fault_file, all_threads=True)
     try:
         # every rank of a spawn is on this host: its rank is its local rank
         os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -94,9 +101,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     ctx = _context()
     to_parent = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(world_size)]
+    faults = tempfile.mkdtemp(prefix="course-spawn-")
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, backend, timeout, to_parent,
-                               inboxes[r], fn, args, kwargs, dict(os.environ), os.getcwd()))
+                               inboxes[r], fn, args, kwargs, dict(os.environ), os.getcwd(),
+                               os.path.join(faults, f"rank{r}")))
              for r in range(world_size)]
     # Start-up (imports, rendezvous) gets its own allowance; `timeout` counts once all are ready.
     deadline = time.monotonic() + STARTUP_TIMEOUT + timeout
@@ -119,7 +128,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                     break
                 for r, p in enumerate(procs):
                     if r not in results and r not in failures and p.exitcode not in (None, 0):
-                        failures[r] = f"process {p.pid} died with exit code {p.exitcode}"
+                        failures[r] = _died(p, os.path.join(faults, f"rank{r}"))
                 continue
             if kind == "ready":
                 ready += 1
@@ -140,10 +149,32 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         for inbox in inboxes:
             inbox.put("done")
         _end_processes(procs)
+        shutil.rmtree(faults, ignore_errors=True)
     if failures:
         raise SpawnError(f"spawn({fn.__name__}, world_size={world_size}, backend={backend!r})",
-                         failures)
+                         failures, signals={r: -p.exitcode for r, p in enumerate(procs)
+                                            if r in failures and (p.exitcode or 0) < 0})
     return [results[r] for r in range(world_size)]
+
+
+def _died(proc: Any, fault_path: str, limit: int = 4000) -> str:
+    """Why a rank's process ended without a word: its exit code or signal and, after a crash in
+    native code, the Python stack faulthandler wrote (the end of it, up to `limit` characters)."""
+    code = proc.exitcode
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        what = _("process {pid} was killed by {signal}", pid=proc.pid, signal=name)
+    else:
+        what = _("process {pid} died with exit code {code}", pid=proc.pid, code=code)
+    try:
+        with open(fault_path, errors="replace") as f:
+            stack = f.read().strip()
+    except OSError:
+        stack = ""
+    return f"{what}\n{stack[-limit:]}" if stack else what
 
 
 def _end_processes(procs: list, grace: float = 5.0) -> None:

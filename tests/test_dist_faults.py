@@ -7,6 +7,7 @@ rejected and logged, and the group keeps computing correct results.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -52,6 +53,28 @@ def test_dead_rank_makes_every_other_rank_raise(tmp_path):
         assert cause.startswith(f"  cause: rank {rank}: all_reduce(ring) "), result
         assert f"rank {victim}" in cause, msg  # names the dead peer, even if not a neighbour
         assert result["elapsed"] < GROUP_TIMEOUT / 4, result
+
+
+def crash_in_native_code(rank: int, world: int, victim: int) -> int:
+    import ctypes
+
+    if rank == victim:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV inside C, no Python exception
+    return rank
+
+
+def test_a_native_crash_names_its_signal_and_its_python_stack():
+    with pytest.raises(SpawnError) as info:
+        spawn(crash_in_native_code, 3, 1, backend="scratch", timeout=GROUP_TIMEOUT)
+    assert info.value.signals == {1: 11}, info.value
+    assert set(info.value.failures) == {1}, info.value
+    message = info.value.failures[1]
+    assert "was killed by SIGSEGV" in message, message
+    # faulthandler's report, with the line of the test's function that crashed
+    assert "Fatal Python error: Segmentation fault" in message, message
+    lines, first = inspect.getsourcelines(crash_in_native_code)
+    line = first + next(i for i, text in enumerate(lines) if "string_at" in text)
+    assert f"line {line} in crash_in_native_code" in message, message
 
 
 def intruders(rank: int, world: int) -> dict:

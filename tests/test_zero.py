@@ -9,12 +9,14 @@ reads its part of the results, so the file starts 6 process groups, not 11.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from course_lib import zero
-from course_lib.spawn import spawn
+from course_lib.spawn import SpawnError, spawn
 
 STEPS, B, IN = 10, 3, 15
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -150,8 +152,6 @@ def run_all(rank: int, world: int, backend: str) -> dict:
         out["sub group"] = run_on_sub_group(rank, world)
     if backend == "scratch":
         out["accounting"] = run_accounting(rank, world)
-    if backend == "gloo" and world == 2:
-        out["torch"] = run_torch_counterparts(rank, world)
     if backend == "scratch" and world == 3:
         out["bad"] = run_bad_inputs(rank, world)
     return out
@@ -358,7 +358,16 @@ def run_torch_counterparts(rank: int, world: int) -> dict:
 
 
 def test_ours_and_torchs_counterparts_agree_on_gloo():
-    results = results_for("gloo", 2, "torch")
+    # A spawn of its own, so a crash inside torch fails this comparison only. torch's FSDP2 on
+    # gloo has ended a rank with SIGSEGV inside torch once (on CI): a run that a signal ends is
+    # repeated once, with its native stack shown; a wrong value is never repeated.
+    try:
+        results = spawn(run_torch_counterparts, 2, backend="gloo", timeout=300)
+    except SpawnError as exc:
+        if not exc.signals:
+            raise
+        warnings.warn(f"torch's counterparts crashed, repeated once:\n{exc}")
+        results = spawn(run_torch_counterparts, 2, backend="gloo", timeout=300)
     ref = reference("adamw", 2)
     for rank, res in enumerate(results):
         for impl in ("ours", "torch zero", "torch fsdp2"):
