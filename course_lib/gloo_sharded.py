@@ -1,0 +1,150 @@
+"""Reduce-scatter and all-gather for the sharded optimizers on a gloo group, over point to point.
+
+gloo's own `reduce_scatter` and `all_gather` each take longer than an `all_reduce` of the same
+bytes on CPU (`python -m course_lib.course.bench zero` times both), which an all-reduce should
+cost in total. ZeRO and FSDP move every parameter's bytes through one of each per step, so
+`sharded_dist(torch.distributed, group)` hands them a `dist` whose two collectives send each
+rank's piece straight to its owner (`batch_isend_irecv`, every pair at once): the bytes a ring
+sends, (N-1)/N of the buffer per rank. Sums are taken in rank order, so every rank's shard is
+the same sum whichever rank computes it. Everything else, and every group that is not gloo,
+goes to torch.distributed unchanged (NCCL's own collectives are the fast ones there).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from course_lib.backend import global_rank
+from course_lib.i18n import _
+
+__all__ = ["sharded_dist", "PointToPointShards"]
+
+
+def sharded_dist(dist: Any, group: Any = None) -> Any:
+    """`dist` itself, or, for torch.distributed on a gloo group, a `PointToPointShards` over it."""
+    import torch.distributed as tdist
+
+    if dist is not tdist or not tdist.is_initialized():
+        return dist
+    try:
+        backend = str(tdist.get_backend(group))
+    except (RuntimeError, ValueError):  # not a member of `group`: the callers say so
+        return dist
+    return PointToPointShards(tdist) if backend == "gloo" else dist
+
+
+class _Exchange:
+    """The sends and receives of one collective in flight; `wait()` ends them, then runs
+    `then()` once, as torch's Work does for its result."""
+
+    def __init__(self, works: list[Any], then: Callable[[], None], what: str):
+        self.works, self.then, self.what, self.done = works, then, what, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            try:
+                for work in self.works:
+                    work.wait() if timeout is None else work.wait(timeout)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self.what}: {exc}") from exc
+            self.then()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+
+class PointToPointShards:
+    """torch.distributed, with `reduce_scatter` (SUM) and `all_gather` of CPU tensors done by
+    point-to-point exchanges; every other name is torch.distributed's own."""
+
+    def __init__(self, dist: Any):
+        self._dist = dist
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dist, name)
+
+    def _peers(self, group: Any) -> tuple[int, int, list[int]]:
+        rank, world = self._dist.get_rank(group), self._dist.get_world_size(group)
+        return rank, world, [global_rank(self._dist, group, r) for r in range(world)]
+
+    def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor],
+                  group: Any) -> list[Any]:
+        """Send `sends[k]` to the rank k places after this one and receive `recvs[k]` from the
+        rank k places before, for k = 1 .. N-1 (index 0 unused): every pair at once."""
+        rank, world, peers = self._peers(group)
+        ops = []
+        for k in range(1, world):
+            to, frm = peers[(rank + k) % world], peers[(rank - k) % world]
+            ops.append(self._dist.P2POp(self._dist.isend, sends[k], to, group=group))
+            ops.append(self._dist.P2POp(self._dist.irecv, recvs[k], frm, group=group))
+        return self._dist.batch_isend_irecv(ops) if ops else []
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
+                       op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        op = self._dist.ReduceOp.SUM if op is None else op
+        if op != self._dist.ReduceOp.SUM or not _plain_cpu(output, *input_list):
+            return self._dist.reduce_scatter(output, list(input_list), op=op, group=group,
+                                             async_op=async_op)
+        rank, world, peers = self._peers(group)
+        if len(input_list) != world or any(t.shape != output.shape for t in input_list):
+            raise ValueError(_("reduce_scatter: {n} inputs of shapes {shapes} for a group of "
+                               "{world} and an output of shape {shape}", n=len(input_list),
+                               shapes=[tuple(t.shape) for t in input_list], world=world,
+                               shape=tuple(output.shape)))
+        sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
+        recvs = [torch.empty_like(output) for _ in range(world)]
+        works = self._exchange(sends, recvs, group)
+
+        def add_in_rank_order() -> None:
+            # recvs[k] came from the rank k places before: rank r's piece is recvs[(me - r) % N]
+            pieces = [input_list[r] if r == rank else recvs[(rank - r) % world]
+                      for r in range(world)]
+            output.copy_(pieces[0])
+            for piece in pieces[1:]:
+                output.add_(piece)
+
+        work = _Exchange(works, add_in_rank_order, _(
+            "reduce_scatter on rank {rank}, exchanging with ranks {peers}", rank=peers[rank],
+            peers=[p for p in peers if p != peers[rank]]))
+        return _started(work, async_op)
+
+    def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor,
+                   group: Any = None, async_op: bool = False) -> Any:
+        if not _plain_cpu(*tensor_list) or tensor.device.type != "cpu":
+            return self._dist.all_gather(list(tensor_list), tensor, group=group,
+                                         async_op=async_op)
+        rank, world, peers = self._peers(group)
+        if len(tensor_list) != world or any(t.shape != tensor.shape for t in tensor_list):
+            raise ValueError(_("all_gather: {n} outputs of shapes {shapes} for a group of "
+                               "{world} and an input of shape {shape}", n=len(tensor_list),
+                               shapes=[tuple(t.shape) for t in tensor_list], world=world,
+                               shape=tuple(tensor.shape)))
+        sent = tensor.contiguous()
+        recvs = [tensor_list[(rank - k) % world] for k in range(world)]
+        works = self._exchange([sent] * world, recvs, group)
+
+        def own_piece() -> None:
+            if tensor_list[rank].data_ptr() != tensor.data_ptr():
+                tensor_list[rank].copy_(tensor)
+
+        work = _Exchange(works, own_piece, _(
+            "all_gather on rank {rank}, exchanging with ranks {peers}", rank=peers[rank],
+            peers=[p for p in peers if p != peers[rank]]))
+        return _started(work, async_op)
+
+
+def _started(work: _Exchange, async_op: bool) -> _Exchange | None:
+    """As torch.distributed: the work when `async_op`, else None once it is done."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _plain_cpu(*tensors: torch.Tensor) -> bool:
+    """Tensors this exchange can take as they are: on the CPU, and receivable in place."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
