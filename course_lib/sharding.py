@@ -51,11 +51,10 @@ class FlatLayout:
 
     def flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-        # zeros: None, and the padding
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
+        flat = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
         for view, t in zip(self.views(flat), tensors):
-            if t is not None:
-                view.copy_(t)
+            view.copy_(t) if t is not None else view.zero_()  # zeros for None
+        flat[self.numel:].zero_()  # and in the padding: every byte written once
         return flat
 
 
