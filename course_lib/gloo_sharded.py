@@ -103,8 +103,11 @@ class PointToPointShards:
             # recvs[k] came from the rank k places before: rank r's piece is recvs[(me - r) % N]
             pieces = [input_list[r] if r == rank else recvs[(rank - r) % world]
                       for r in range(world)]
-            output.copy_(pieces[0])
-            for piece in pieces[1:]:
+            if world == 1:
+                output.copy_(pieces[0])
+                return
+            torch.add(pieces[0], pieces[1], out=output)  # one pass, not a copy and then a sum
+            for piece in pieces[2:]:
                 output.add_(piece)
 
         work = _Exchange(works, add_in_rank_order, _(
