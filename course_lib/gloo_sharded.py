@@ -1,13 +1,13 @@
 """Reduce-scatter and all-gather for the sharded optimizers on a gloo group, over point to point.
 
-gloo's own `reduce_scatter` and `all_gather` each take longer than an `all_reduce` of the same
-bytes on CPU (`python -m course_lib.course.bench zero` times both), which an all-reduce should
-cost in total. ZeRO and FSDP move every parameter's bytes through one of each per step, so
-`sharded_dist(torch.distributed, group)` hands them a `dist` whose two collectives send each
-rank's piece straight to its owner (`batch_isend_irecv`, every pair at once): the bytes a ring
-sends, (N-1)/N of the buffer per rank. Sums are taken in rank order, so every rank's shard is
-the same sum whichever rank computes it. Everything else, and every group that is not gloo,
-goes to torch.distributed unchanged (NCCL's own collectives are the fast ones there).
+gloo's own `reduce_scatter` and `all_gather` are each slower on CPU than an `all_reduce` of the
+same bytes, though the two together should cost what one all-reduce does. ZeRO and FSDP move
+every parameter's bytes through one of each per step, so `sharded_dist(torch.distributed,
+group)` hands them a `dist` whose two collectives send each rank's piece straight to its owner
+(`batch_isend_irecv`, every pair at once): the bytes a ring sends, (N-1)/N of the buffer per
+rank. Sums are taken in rank order, so every rank's shard is the same sum whichever rank
+computes it. Everything else, and every group that is not gloo, goes to torch.distributed
+unchanged (NCCL's own collectives are the fast ones there).
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ class _Exchange:
             self.then()
             self.done = True
         return True
-
-    def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
 
 
 class PointToPointShards:
