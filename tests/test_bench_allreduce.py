@@ -90,7 +90,13 @@ def test_all_to_all_rows_json_and_plot(tmp_path):
     for r in rows:
         assert r["collective"] == "all_to_all" and r["bytes"] == 4096
         assert r["busbw"] == pytest.approx(r["algbw"] * (2 - 1) / 2)
-    assert list(allreduce.figures(rows)) == []  # the all_reduce report's figures stay its own
+    # its own figures, without the all_reduce targets: ours (pairwise) against each library
+    figures = {f.what: f for f in allreduce.figures(rows)}
+    pairwise, gloo = (next(r["seconds"] for r in rows if (r["backend"], r["algorithm"]) == k)
+                      for k in (("scratch", "pairwise"), ("gloo", "default")))
+    assert figures["all_to_all: ours / gloo at 4 KiB"].value == pytest.approx(pairwise / gloo)
+    assert all(f.limit is None and f.what.startswith("all_to_all: ") for f in figures.values())
+    assert allreduce.title(rows) == "all_to_all against gloo and MPI"
     with pytest.raises(SystemExit, match="unknown algorithms"):
         bench_cli.main(["allreduce", "--collective", "all_to_all", "--algorithms", "ring"])
 

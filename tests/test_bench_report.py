@@ -43,3 +43,22 @@ def test_the_kept_page_is_current():
     (course.py build --check says the same)."""
     for path, text in report.pages().items():
         assert path.read_text(encoding="utf-8") == text, f"{path} is stale: regenerate it"
+
+
+def test_every_kept_run_is_what_bench_all_runs():
+    """`bench all` re-measures the page: each of its runs names a benchmark whose parser takes its
+    arguments, and each run kept in docs/bench/ is one of them, with the same arguments."""
+    import argparse
+    import importlib
+
+    from course_lib.course.bench.__main__ import BENCHMARKS, SUITE
+
+    for stem, (name, *args) in SUITE.items():
+        assert name in BENCHMARKS, stem
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"course_lib.course.bench.{name}").add_arguments(parser)
+        parser.parse_args(args)  # exits (SystemExit) on an argument the benchmark does not take
+    kept = report.runs()
+    assert sorted(kept) == sorted(SUITE)
+    for stem, run in kept.items():
+        assert run["argv"] == list(SUITE[stem]), stem

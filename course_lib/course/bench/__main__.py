@@ -16,17 +16,19 @@ from course_lib.course.bench import report
 from course_lib.i18n import _
 
 BENCHMARKS = ("allreduce", "ddp", "tp", "pipeline", "zero", "checkpoint", "train", "ring_attention")
-# What `all` runs: the page's sizes. Timing on two shared cores: world size 2 (the capstone's
-# layouts need 4), one intra-op thread per process (OMP_NUM_THREADS=1 for every process).
+# What `all` runs, the runs the page keeps (file stem -> the benchmark and its arguments), at the
+# page's sizes. Timing on two shared cores: world size 2 (the capstone's layouts and cp = 4 need
+# 4), one intra-op thread per process (OMP_NUM_THREADS=1 for every process).
 SUITE: dict[str, tuple[str, ...]] = {
-    "allreduce": ("--world", "2"),
-    "ddp": ("--world", "2", "--iters", "20"),
-    "tp": ("--worlds", "1,2"),
-    "pipeline": ("--stages", "2", "--repeats", "3"),
-    "zero": ("--world", "2"),
-    "checkpoint": ("--worlds", "2", "--mib", "64"),
-    "train": (),
-    "ring_attention": ("--cps", "1,2"),
+    "allreduce": ("allreduce", "--world", "2"),
+    "all_to_all": ("allreduce", "--collective", "all_to_all", "--world", "2"),
+    "ddp": ("ddp", "--world", "2", "--iters", "20"),
+    "tp": ("tp", "--worlds", "1,2"),
+    "pipeline": ("pipeline", "--stages", "2", "--repeats", "3"),
+    "zero": ("zero", "--world", "2"),
+    "checkpoint": ("checkpoint", "--worlds", "2", "--mib", "64"),
+    "train": ("train",),
+    "ring_attention": ("ring_attention", "--cps", "1,2,4"),
 }
 
 
@@ -62,7 +64,7 @@ def run_all(argv: list[str]) -> int:
     failed = []
     for name in args.names or list(SUITE):
         out = os.path.join(args.results, name)
-        cmd = [sys.executable, "-m", "course_lib.course.bench", name, *SUITE[name],
+        cmd = [sys.executable, "-m", "course_lib.course.bench", *SUITE[name],
                "--json", f"{out}.json", "--plot", f"{out}.png"]
         start = time.perf_counter()
         code = subprocess.run(cmd, env=env).returncode

@@ -337,20 +337,31 @@ if __name__ == "__main__":
 
 
 TITLE = N_("all_reduce against gloo and MPI")
+TITLES = {"all_reduce": TITLE, "all_to_all": N_("all_to_all against gloo and MPI")}
+
+
+def title(rows: list[dict]) -> str:
+    """The page's title of a run: the collective it timed."""
+    return TITLES[rows[0].get("collective", "all_reduce") if rows else "all_reduce"]
 
 
 def figures(rows: list[dict]) -> Iterable[Figure]:
-    """Ours (auto, else our fastest algorithm) against MPI and gloo, size by size."""
-    rows = [r for r in rows if r.get("collective", "all_reduce") == "all_reduce"]
+    """Ours against MPI and gloo, size by size: for all_reduce, ours is "auto" (else our fastest
+    algorithm), judged against the targets; for all_to_all, "pairwise" (else our fastest)."""
+    a2a = bool(rows) and rows[0].get("collective") == "all_to_all"
+    mine = "pairwise" if a2a else "auto"
     for n in sorted({r["bytes"] for r in rows}):
         at = [r for r in rows if r["bytes"] == n]
         scratch = [r for r in at if r["backend"] == "scratch"]
-        ours = next((r for r in scratch if r["algorithm"] == "auto"), None) or (
+        ours = next((r for r in scratch if r["algorithm"] == mine), None) or (
             min(scratch, key=lambda r: r["seconds"]) if scratch else None)
         if ours is None:
             continue
         for backend, limit in (("mpi", 3.0 if n <= 4 * 2 ** 10 else 1.2), ("gloo", 0.5)):
             other = next((r for r in at if r["backend"] == backend), None)
-            if other:
+            if other and a2a:
+                yield Figure(_("all_to_all: ours / {backend} at {size}", backend=backend,
+                               size=size_text(n)), ours["seconds"] / other["seconds"], None)
+            elif other:
                 yield Figure(_("ours / {backend} at {size}", backend=backend, size=size_text(n)),
                              ours["seconds"] / other["seconds"], limit)

@@ -63,7 +63,9 @@ def section(stem: str, run: dict) -> list[str]:
     """The page's part for one run: title, command, machine, figures against targets, plot."""
     name = run["benchmark"]
     module = _benchmark(name)
-    lines = [f"## {_(getattr(module, 'TITLE', name))} (`{stem}`)", "",
+    title = module.title(run["rows"]) if hasattr(module, "title") else getattr(module, "TITLE",
+                                                                                   name)
+    lines = [f"## {_(title)} (`{stem}`)", "",
              "```bash", command(run), "```", "",
              _("Machine: {machine}.", machine=machine(run.get("meta", {}))), ""]
     figures = list(getattr(module, "figures", lambda rows: [])(run["rows"]))
