@@ -258,3 +258,11 @@ def test_pipeline_benchmark_runs_end_to_end(tmp_path):
     assert all(0 < r["bubble"] < 1 and 0 < r["ideal_bubble"] < 1 for r in rows[:10])
     assert all(r["step_s"] > 0 for r in rows)
     assert png.stat().st_size > 0
+    from course_lib.course.bench.pipeline import figures
+
+    step = {(r["schedule"], r["m"]): r["step_s"] for r in rows}
+    got = {f.what: f.value for f in figures(rows) if f.limit is None}
+    assert got["2 stages, zbv, m=2: step / 1F1B's"] == step["zbv", 2] / step["1f1b", 2]
+    assert got["2 stages, interleaved, m=1: ours / torch's"] == (
+        step["interleaved", 1] / step["torch interleaved", 1])
+    assert not [w for w in got if "1f1b, " in w]  # 1F1B is the reference, not a row

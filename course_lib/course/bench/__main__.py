@@ -24,7 +24,7 @@ SUITE: dict[str, tuple[str, ...]] = {
     "all_to_all": ("allreduce", "--collective", "all_to_all", "--world", "2"),
     "ddp": ("ddp", "--world", "2", "--iters", "20"),
     "tp": ("tp", "--worlds", "1,2"),
-    "pipeline": ("pipeline", "--stages", "2", "--repeats", "3"),
+    "pipeline": ("pipeline", "--stages", "2", "--repeats", "3", "--torch", "interleaved,zbv"),
     "zero": ("zero", "--world", "2"),
     "checkpoint": ("checkpoint", "--worlds", "2", "--mib", "64"),
     "train": ("train",),

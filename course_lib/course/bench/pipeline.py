@@ -321,7 +321,19 @@ TITLE = N_("Pipeline schedules: bubble against the model")
 
 
 def figures(rows: list[dict]) -> Iterable[Figure]:
+    """Each schedule's bubble against the model; its step time against 1F1B's with the same
+    stages and m; and each of torch's counterparts against ours of the same name."""
     for r in [r for r in rows if r.get("bubble") is not None]:
         yield Figure(_("{stages} stages, {schedule}, m={m}: bubble - model", stages=r["stages"],
                        schedule=r["schedule"], m=r["m"]), r["bubble"] - r["ideal_bubble"],
                      0.1 if r["stages"] == 2 else None, unit="")
+    step = {(r["stages"], r["schedule"], r["m"]): r["step_s"] for r in rows if r.get("step_s")}
+    for (p, name, m), seconds in step.items():
+        if name.startswith("torch "):
+            ours = step.get((p, name.removeprefix("torch "), m))
+            if ours:
+                yield Figure(_("{stages} stages, {schedule}, m={m}: ours / torch's", stages=p,
+                               schedule=name.removeprefix("torch "), m=m), ours / seconds, None)
+        elif name != "1f1b" and step.get((p, "1f1b", m)):
+            yield Figure(_("{stages} stages, {schedule}, m={m}: step / 1F1B's", stages=p,
+                           schedule=name, m=m), seconds / step[p, "1f1b", m], None)
