@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from course_lib.backend import global_rank
-from course_lib.i18n import _
+from course_lib.i18n import N_, _
 
 __all__ = ["sharded_dist", "PointToPointShards"]
 
@@ -64,21 +64,29 @@ class PointToPointShards:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dist, name)
 
-    def _peers(self, group: Any) -> tuple[int, int, list[int]]:
-        rank, world = self._dist.get_rank(group), self._dist.get_world_size(group)
-        return rank, world, [global_rank(self._dist, group, r) for r in range(world)]
+    def _rank_world(self, group: Any) -> tuple[int, int]:
+        return self._dist.get_rank(group), self._dist.get_world_size(group)
 
-    def _exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor],
-                  group: Any) -> list[Any]:
+    def _launch(self, what: str, sends: list[torch.Tensor], recvs: list[torch.Tensor],
+                group: Any, then: Callable[[], None], async_op: bool) -> _Exchange | None:
         """Send `sends[k]` to the rank k places after this one and receive `recvs[k]` from the
-        rank k places before, for k = 1 .. N-1 (index 0 unused): every pair at once."""
-        rank, world, peers = self._peers(group)
+        rank k places before, for k = 1 .. N-1 (index 0 unused), every pair at once; `then()`
+        once they are done."""
+        rank, world = self._rank_world(group)
+        peers = [global_rank(self._dist, group, r) for r in range(world)]
         ops = []
         for k in range(1, world):
             to, frm = peers[(rank + k) % world], peers[(rank - k) % world]
             ops.append(self._dist.P2POp(self._dist.isend, sends[k], to, group=group))
             ops.append(self._dist.P2POp(self._dist.irecv, recvs[k], frm, group=group))
-        return self._dist.batch_isend_irecv(ops) if ops else []
+        works = self._dist.batch_isend_irecv(ops) if ops else []
+        work = _Exchange(works, then, _(
+            "{what} on rank {rank}, exchanging with ranks {peers}", what=what, rank=peers[rank],
+            peers=[p for p in peers if p != peers[rank]]))
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
                        op: Any = None, group: Any = None, async_op: bool = False) -> Any:
@@ -86,15 +94,10 @@ class PointToPointShards:
         if op != self._dist.ReduceOp.SUM or not _plain_cpu(output, *input_list):
             return self._dist.reduce_scatter(output, list(input_list), op=op, group=group,
                                              async_op=async_op)
-        rank, world, peers = self._peers(group)
-        if len(input_list) != world or any(t.shape != output.shape for t in input_list):
-            raise ValueError(_("reduce_scatter: {n} inputs of shapes {shapes} for a group of "
-                               "{world} and an output of shape {shape}", n=len(input_list),
-                               shapes=[tuple(t.shape) for t in input_list], world=world,
-                               shape=tuple(output.shape)))
+        rank, world = self._rank_world(group)
+        _check_shapes("reduce_scatter", input_list, output, world)
         sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
         recvs = [torch.empty_like(output) for _ in range(world)]
-        works = self._exchange(sends, recvs, group)
 
         def add_in_rank_order() -> None:
             # recvs[k] came from the rank k places before: rank r's piece is recvs[(me - r) % N]
@@ -107,42 +110,39 @@ class PointToPointShards:
             for piece in pieces[2:]:
                 output.add_(piece)
 
-        work = _Exchange(works, add_in_rank_order, _(
-            "reduce_scatter on rank {rank}, exchanging with ranks {peers}", rank=peers[rank],
-            peers=[p for p in peers if p != peers[rank]]))
-        return _started(work, async_op)
+        return self._launch("reduce_scatter", sends, recvs, group, add_in_rank_order, async_op)
 
     def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor,
                    group: Any = None, async_op: bool = False) -> Any:
         if not _plain_cpu(*tensor_list) or tensor.device.type != "cpu":
             return self._dist.all_gather(list(tensor_list), tensor, group=group,
                                          async_op=async_op)
-        rank, world, peers = self._peers(group)
-        if len(tensor_list) != world or any(t.shape != tensor.shape for t in tensor_list):
-            raise ValueError(_("all_gather: {n} outputs of shapes {shapes} for a group of "
-                               "{world} and an input of shape {shape}", n=len(tensor_list),
-                               shapes=[tuple(t.shape) for t in tensor_list], world=world,
-                               shape=tuple(tensor.shape)))
-        sent = tensor.contiguous()
+        rank, world = self._rank_world(group)
+        _check_shapes("all_gather", tensor_list, tensor, world)
         recvs = [tensor_list[(rank - k) % world] for k in range(world)]
-        works = self._exchange([sent] * world, recvs, group)
 
         def own_piece() -> None:
             if tensor_list[rank].data_ptr() != tensor.data_ptr():
                 tensor_list[rank].copy_(tensor)
 
-        work = _Exchange(works, own_piece, _(
-            "all_gather on rank {rank}, exchanging with ranks {peers}", rank=peers[rank],
-            peers=[p for p in peers if p != peers[rank]]))
-        return _started(work, async_op)
+        return self._launch("all_gather", [tensor.contiguous()] * world, recvs, group, own_piece,
+                            async_op)
 
 
-def _started(work: _Exchange, async_op: bool) -> _Exchange | None:
-    """As torch.distributed: the work when `async_op`, else None once it is done."""
-    if async_op:
-        return work
-    work.wait()
-    return None
+_SHAPES = {  # what a collective's list of tensors and its single one must agree on
+    "reduce_scatter": N_("reduce_scatter: {n} inputs of shapes {shapes} for a group of {world} "
+                         "and an output of shape {shape}"),
+    "all_gather": N_("all_gather: {n} outputs of shapes {shapes} for a group of {world} and an "
+                     "input of shape {shape}"),
+}
+
+
+def _check_shapes(what: str, pieces: Sequence[torch.Tensor], one: torch.Tensor,
+                  world: int) -> None:
+    """One piece per rank, each of `one`'s shape, or a clear error naming them."""
+    if len(pieces) != world or any(t.shape != one.shape for t in pieces):
+        raise ValueError(_(_SHAPES[what], n=len(pieces), shapes=[tuple(t.shape) for t in pieces],
+                           world=world, shape=tuple(one.shape)))
 
 
 def _plain_cpu(*tensors: torch.Tensor) -> bool:
