@@ -16,16 +16,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from course_lib.backend import global_rank
+from course_lib.backend import default_dist, global_rank
 from course_lib.i18n import N_, _
 
 __all__ = ["sharded_dist", "PointToPointShards"]
 
 
-def sharded_dist(dist: Any, group: Any = None) -> Any:
-    """`dist` itself, or, for torch.distributed on a gloo group, a `PointToPointShards` over it."""
+def sharded_dist(dist: Any = None, group: Any = None) -> Any:
+    """The `dist` to use (`default_dist`'s), or, for torch.distributed on a gloo group, a
+    `PointToPointShards` over it."""
     import torch.distributed as tdist
 
+    dist = default_dist(dist)
     if dist is not tdist or not tdist.is_initialized():
         return dist
     try:

@@ -102,10 +102,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     to_parent = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(world_size)]
     faults = tempfile.mkdtemp(prefix="course-spawn-")
+    fault_paths = [os.path.join(faults, f"rank{r}") for r in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, backend, timeout, to_parent,
                                inboxes[r], fn, args, kwargs, dict(os.environ), os.getcwd(),
-                               os.path.join(faults, f"rank{r}")))
+                               fault_paths[r]))
              for r in range(world_size)]
     # Start-up (imports, rendezvous) gets its own allowance; `timeout` counts once all are ready.
     deadline = time.monotonic() + STARTUP_TIMEOUT + timeout
@@ -128,7 +129,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                     break
                 for r, p in enumerate(procs):
                     if r not in results and r not in failures and p.exitcode not in (None, 0):
-                        failures[r] = _died(p, os.path.join(faults, f"rank{r}"))
+                        failures[r] = _died(p, fault_paths[r])
                 continue
             if kind == "ready":
                 ready += 1

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from course_lib.backend import default_dist, global_rank
+from course_lib.backend import global_rank
 from course_lib.data_parallel import broadcast_coalesced, make_buckets
 from course_lib.gloo_sharded import sharded_dist
 from course_lib.grad_bucket import check_same_tensors
@@ -150,7 +150,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(_("ZeroRedundancyOptimizer: optimizer_class must be a "
                               "torch.optim.Optimizer class, got {optimizer_class}",
                               optimizer_class=repr(optimizer_class)))
-        self.dist, self.group, self.stage = sharded_dist(default_dist(dist), group), group, stage
+        self.dist, self.group, self.stage = sharded_dist(dist, group), group, stage
         self.rank, self.world_size = group_rank(self.dist, group, "ZeroRedundancyOptimizer")
         super().__init__(params, optimizer_kwargs)
         given = [p for g in self.param_groups for p in g["params"]]
@@ -279,7 +279,7 @@ class UnitBase:
     schedule_class: Callable[[], Any]
 
     def __init__(self, module: nn.Module, reshard_after_forward: bool, dist: Any, group: Any):
-        self.module, self.dist, self.group = module, sharded_dist(default_dist(dist), group), group
+        self.module, self.dist, self.group = module, sharded_dist(dist, group), group
         self.reshard_after_forward = reshard_after_forward
         self.rank, self.world_size = group_rank(self.dist, group, "fully_shard")
         inner = [m._zero_unit for m in module.modules()
