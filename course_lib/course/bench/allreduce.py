@@ -318,7 +318,7 @@ def plot(rows: list[dict], path: str) -> None:
                      if (r["backend"], r["algorithm"]) == key)
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o",
                 label=f"{key[0]} ({key[1]})")
-    title = _("{collective}, world {world}", collective=rows[0].get("collective", "all_reduce"),
+    title = _("{collective}, world {world}", collective=collective(rows),
               world=rows[0]["world"]) if rows else "all_reduce"
     ax.set(xscale="log", yscale="log", xlabel=_("message size (bytes)"), ylabel=_("time (ms)"),
            title=title)
@@ -340,15 +340,20 @@ TITLE = N_("all_reduce against gloo and MPI")
 TITLES = {"all_reduce": TITLE, "all_to_all": N_("all_to_all against gloo and MPI")}
 
 
+def collective(rows: list[dict]) -> str:
+    """The collective a run timed (runs from before all_to_all name none: all_reduce)."""
+    return rows[0].get("collective", "all_reduce") if rows else "all_reduce"
+
+
 def title(rows: list[dict]) -> str:
     """The page's title of a run: the collective it timed."""
-    return TITLES[rows[0].get("collective", "all_reduce") if rows else "all_reduce"]
+    return TITLES[collective(rows)]
 
 
 def figures(rows: list[dict]) -> Iterable[Figure]:
     """Ours against MPI and gloo, size by size: for all_reduce, ours is "auto" (else our fastest
     algorithm), judged against the targets; for all_to_all, "pairwise" (else our fastest)."""
-    a2a = bool(rows) and rows[0].get("collective") == "all_to_all"
+    a2a = collective(rows) == "all_to_all"
     mine = "pairwise" if a2a else "auto"
     for n in sorted({r["bytes"] for r in rows}):
         at = [r for r in rows if r["bytes"] == n]
