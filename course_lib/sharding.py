@@ -43,7 +43,9 @@ class FlatLayout:
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(flat, i) for i in range(len(self.shapes))]
+        # One split, not a slice each: autograd then writes `flat`'s gradient in one pass.
+        pieces = flat.split([*self.numels, flat.numel() - self.numel])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
     def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:  # the ranks' shards, views
         return [flat[slice(*shard_range(self.numel, self.world_size, r))]
@@ -52,7 +54,8 @@ class FlatLayout:
     def flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         flat = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
-        for view, t in zip(self.views(flat), tensors):
+        for i, t in enumerate(tensors):  # a slice each: writing one of split's views is refused
+            view = self.view(flat, i)
             view.copy_(t) if t is not None else view.zero_()  # zeros for None
         flat[self.numel:].zero_()  # and in the padding: every byte written once
         return flat

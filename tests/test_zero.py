@@ -468,3 +468,20 @@ def test_a_weight_tied_across_sibling_units_is_an_error():
             zero.fully_shard(head, dist=scratch)
     finally:
         scratch.destroy_process_group()
+
+
+def test_a_flat_layouts_views_hand_autograd_one_gradient_for_the_whole_buffer():
+    """`views` splits the buffer once, so autograd writes its gradient in one pass (one slice
+    per tensor would zero-fill a buffer-sized gradient per tensor and add them up); each
+    tensor's gradient lands at its place and the padding's is zero."""
+    from course_lib.sharding import FlatLayout
+
+    layout = FlatLayout([(3, 2), (5,), (4, 4)], 4, torch.float32)  # 27 elements, padded to 28
+    flat = torch.randn(layout.padded_numel, requires_grad=True)
+    views = layout.views(flat)
+    assert [v.shape for v in views] == layout.shapes
+    assert len({v.grad_fn.next_functions[0][0] for v in views}) == 1
+    sum((i + 1) * v.sum() for i, v in enumerate(views)).backward()
+    expected = layout.flatten([torch.full(s, i + 1.0) for i, s in enumerate(layout.shapes)])
+    assert torch.equal(flat.grad, expected)
+    assert flat.grad[layout.numel:].eq(0).all()
