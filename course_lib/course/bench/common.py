@@ -44,6 +44,32 @@ def clock(device: Any = None) -> float:
     return time.perf_counter()
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def timing_process() -> None:
+    """Set up a process that times training steps: one intra-op thread (the ranks share the
+    cores), and memory a step frees kept for the next, as a GPU's caching allocator keeps it.
+    glibc's malloc otherwise gives large buffers back to the kernel and faults them in again,
+    which charges a variant for allocating per step rather than for its communication."""
+    import ctypes
+
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator as it is
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's largest: buffers up to it stay in the heap
+    libc.mallopt(M_TRIM_THRESHOLD, 2**30)  # and the heap keeps what they free
+
+
+KEPT_MEMORY = N_("Timed in processes that keep the memory a step frees for the next (glibc's "
+                 "`mallopt`), as a GPU's caching allocator does; every variant runs in the same "
+                 "processes, so the setting holds for all of them alike.")
+
+
 def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
     """Per repeat, the slowest rank's time: one operation lasts until its last rank finishes."""
     return [max(times) for times in zip(*per_rank_seconds)]

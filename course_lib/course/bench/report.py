@@ -68,6 +68,8 @@ def section(stem: str, run: dict) -> list[str]:
     lines = [f"## {_(title)} (`{stem}`)", "",
              "```bash", command(run), "```", "",
              _("Machine: {machine}.", machine=machine(run.get("meta", {}))), ""]
+    if hasattr(module, "NOTE"):  # how the benchmark times, where every reader should know it
+        lines += [_(module.NOTE), ""]
     figures = list(getattr(module, "figures", lambda rows: [])(run["rows"]))
     if figures:
         lines += [f"| {_('figure')} | {_('measured')} | {_('target')} | |",

@@ -2,7 +2,7 @@
 
 Every variant is a `course_lib.train.Run` of the same model and batches on the same gloo process
 group, built once and stepped in turn, iteration by iteration, so the machine's noise hits all
-of them alike. Per variant: median step time of the slowest rank, tokens per second, the ratio
+of them alike (in processes that keep the memory a step frees: `common.timing_process`). Per variant: median step time of the slowest rank, tokens per second, the ratio
 to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard, DTensor's TP with
 FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of
 parameters, gradients and optimizer state of the fullest rank, measured from the tensors'
@@ -20,8 +20,8 @@ import argparse
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import (Figure, choose, clock, median, slowest_rank,
-                                           speed_and_state)
+from course_lib.course.bench.common import (KEPT_MEMORY, Figure, choose, clock, median,
+                                           slowest_rank, speed_and_state, timing_process)
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dp_bytes, gpt_flops,
                                               roofline)
 from course_lib.train import TrainConfig
@@ -89,11 +89,9 @@ def formula_bytes(cfg: Any, vocab_size: int, coords: dict[str, int]) -> float:
 def measure(names: list[str], args: dict) -> dict:
     """Build every variant on this rank, then step them in turn; per variant the step times,
     the state bytes and the formula's bytes."""
-    import torch
     import torch.distributed as tdist
 
-
-    torch.set_num_threads(1)
+    timing_process()
     tdist.barrier()
     peak = calibrate_peak()
     bandwidth = bus_bandwidth(tdist)
@@ -209,6 +207,7 @@ def quick_args(**overrides: Any) -> argparse.Namespace:
 
 
 TITLE = N_("The capstone's layouts against torch's stack")
+NOTE = KEPT_MEMORY
 
 
 def figures(rows: list[dict]) -> Iterable[Figure]:

@@ -1,17 +1,19 @@
 """zero: our DDP, ZeRO-1, -2 and -3 against torch DDP, ZeroRedundancyOptimizer and FSDP2.
 
-Every variant trains its own copy of the DDP benchmark's block model with Adam (fp32) on gloo,
-in the same processes, interleaved iteration by iteration, so the machine's noise hits all of
-them alike. Per variant: median step time of the slowest rank and its ratio to our DDP and to
-torch's counterpart; bytes of parameters, gradients and optimizer state per rank, measured
-from the tensors' storages and by the closed form; and, in a separate run per variant (peak
-resident memory is a high-water mark, so it needs a process of its own), the peak RSS growth
-of a rank over building the variant and training a few steps (the high-water mark reset to
-the current RSS first). The roofline of each step (`course_lib.course.bench.roofline`): model
-FLOPs per rank (6 x linear parameters x samples; no attention in this model), achieved FLOP/s
-against the matmul peak measured on every rank at once in the same run, MFU, and the share of
-the step not spent computing (1 - compute / step, compute timed on a local copy of the model:
-forward and backward, and Adam on the parameters this rank updates).
+Every variant trains its own copy of the DDP benchmark's block model with Adam (fp32) on gloo, in
+the same processes, interleaved iteration by iteration, so the machine's noise hits all of them
+alike (processes that keep the memory a step frees: `common.timing_process`). ZeRO-3 wraps each
+block, ours and FSDP2 alike, and, as torchtitan does, lets the last one keep its parameters from
+forward to backward, which gathers them at once again. Per variant: median step time of the slowest
+rank and its ratio to our DDP and to torch's counterpart; bytes of parameters, gradients and
+optimizer state per rank, measured from the tensors' storages and by the closed form; and, in a
+separate run per variant (peak resident memory is a high-water mark, so it needs a process of its
+own), the peak RSS growth of a rank over building the variant and training a few steps (the
+high-water mark reset to the current RSS first). The roofline of each step
+(`course_lib.course.bench.roofline`): model FLOPs per rank (6 x linear parameters x samples; no
+attention in this model), achieved FLOP/s against the matmul peak measured on every rank at once in
+the same run, MFU, and the share of the step not spent computing (1 - compute / step, compute timed
+on a local copy of the model: forward and backward, and Adam on the parameters this rank updates).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import resource
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import (Figure, choose, clock, median, slowest_rank,
-                                           speed_and_state)
+from course_lib.course.bench.common import (KEPT_MEMORY, Figure, choose, clock, median,
+                                           slowest_rank, speed_and_state, timing_process)
 from course_lib import zero
 from course_lib.course.bench.ddp import make_blocks
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dense_flops, dp_bytes,
@@ -72,8 +74,8 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
         return model, zero.ZeroRedundancyOptimizer(model.parameters(), adam,
                                                    stage=int(variant[-1]), dist=tdist, lr=1e-4)
     if variant == "zero3":
-        for block in model:
-            zero.fully_shard(block, dist=tdist)
+        for i, block in enumerate(model):
+            zero.fully_shard(block, dist=tdist, reshard_after_forward=i < len(model) - 1)
         zero.fully_shard(model, dist=tdist)
         return model, adam(model.parameters(), lr=1e-4)
     if variant == "torch_ddp":
@@ -89,8 +91,8 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
-        for block in model:
-            fully_shard(block, mesh=mesh)
+        for i, block in enumerate(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model) - 1)
         fully_shard(model, mesh=mesh)
         return model, adam(model.parameters(), lr=1e-4)
     raise ValueError(_("unknown variant {variant!r}; choose from {variants}", variant=variant,
@@ -198,9 +200,7 @@ def peak(variant: str, args: dict, rank: int) -> float:
 
 
 def _measure_worker(rank: int, world: int, args: dict, names: list[str]) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
+    timing_process()
     return measure(names, args, rank)
 
 
@@ -264,6 +264,7 @@ def plot(rows: list[dict], path: str | None = None) -> Any:
 
 
 TITLE = N_("ZeRO and FSDP against our DDP and torch's")
+NOTE = KEPT_MEMORY
 ZERO_LIMITS = {"zero1": 1.10, "zero2": 1.10, "zero3": 1.4}
 
 
