@@ -62,3 +62,29 @@ def test_every_kept_run_is_what_bench_all_runs():
     assert sorted(kept) == sorted(SUITE)
     for stem, run in kept.items():
         assert run["argv"] == list(SUITE[stem]), stem
+
+
+def test_the_page_shows_each_variants_roofline():
+    """Where a benchmark measures the roofline, its section has one row per variant: FLOPs,
+    achieved FLOP/s, MFU, waiting share, and data-parallel bytes over bandwidth against compute
+    (a dash where the bytes are not modelled); the kept zero and train runs show it."""
+    from course_lib.course.bench import roofline
+
+    rows = [{"variant": "ddp", "step_ms": 100.0, "gflop_per_step": 2.0, "achieved_gflops": 20.0,
+             "peak_gflops": 100.0, "mfu": 0.2, "wait_share": 0.5, "bus_gbps": 1.0,
+             "dp_mib": 100.0},
+            {"variant": "pp", "step_ms": 50.0, "gflop_per_step": 2.0, "achieved_gflops": 40.0,
+             "peak_gflops": 90.0, "mfu": 40 / 90, "wait_share": None, "bus_gbps": 1.0,
+             "dp_mib": None}]
+    lines = roofline.table(rows)
+    # compute: 100 ms x (1 - 0.5) = 50 ms; 100 MiB at 1 GB/s: 104.9 ms, so 2.10: comm-bound
+    assert "| ddp | 2.00 | 20.0 | 20.0% | 50% | 2.10 |" in lines
+    assert "| pp | 2.00 | 40.0 | 44.4% | - | - |" in lines
+    assert "(100.0 GFLOP/s per rank)" in lines[0]
+    assert roofline.table([{"variant": "plain", "step_ms": 1.0}]) == []
+    kept = report.runs()
+    for stem in ("zero", "train"):
+        text = "\n".join(report.section(stem, kept[stem]))
+        assert "Roofline per variant" in text and "| comm / compute |" in text
+        for row in kept[stem]["rows"]:
+            assert f"| {row['variant']} | {row['gflop_per_step']:.2f} |" in text

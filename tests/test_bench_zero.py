@@ -85,3 +85,16 @@ def test_a_timing_process_keeps_the_memory_a_step_frees():
     assert threads == 1
     assert faults < 12288 // 10, f"{faults} page faults re-allocating 12288 freed pages"
     assert run("returning")[1] > 12288 * 9 // 10  # what the check tells apart
+
+
+def test_variants_take_turns_at_every_place_in_an_iteration():
+    """Over as many iterations as variants, `rotated` puts each variant at every place once, so
+    none always runs first (after the compute-only step) or after the same neighbour."""
+    from course_lib.course.bench.common import rotated
+
+    names = ["ddp", "zero1", "zero2", "zero3"]
+    orders = [rotated(names, i) for i in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for place in range(len(names)):
+        assert sorted(order[place] for order in orders) == sorted(names)
+    assert rotated(names, len(names)) == names and rotated([], 3) == []

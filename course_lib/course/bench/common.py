@@ -70,6 +70,14 @@ KEPT_MEMORY = N_("Timed in processes that keep the memory a step frees for the n
                  "processes, so the setting holds for all of them alike.")
 
 
+def rotated(names: Sequence[str], i: int) -> list[str]:
+    """`names` starting from the i-th (modulo their count): stepping the variants in this order
+    at iteration i, each follows every other as often, so none always runs just after the
+    same neighbour (or the compute-only step that ends an iteration)."""
+    k = i % len(names) if names else 0
+    return [*names[k:], *names[:k]]
+
+
 def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:
     """Per repeat, the slowest rank's time: one operation lasts until its last rank finishes."""
     return [max(times) for times in zip(*per_rank_seconds)]

@@ -2,8 +2,8 @@
 Spanish edition) from the runs kept in docs/bench/ (each benchmark's `--json`, and its `--plot`).
 
 Per run: the command, the machine it ran on, one table of the figures as ratios measured in
-the same run (never against another run's numbers), the target beside each, met or missed, and
-the plot. The page holds no date and no anecdote: what was measured, where, and against what.
+the same run (never against another run's numbers), the target beside each, met or missed, the
+roofline of each variant where the benchmark measures one, and the plot. The page holds no date and no anecdote: what was measured, where, and against what.
 `course.py build --check` fails while the page differs from what its runs give.
 """
 
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from course_lib.course.bench import roofline
 from course_lib.i18n import _, language
 from course_lib.course.paths import ROOT
 
@@ -84,6 +85,7 @@ def section(stem: str, run: dict) -> list[str]:
     if missed:
         lines += [_("Missed in this run: {n} of {total} targets.", n=len(missed),
                     total=sum(f.met is not None for f in figures)), ""]
+    lines += roofline.table(run["rows"])
     if run.get("plot"):
         lines += [f"![{stem}](bench/{run['plot']})", ""]
     return lines

@@ -21,8 +21,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from course_lib.i18n import _
+
 __all__ = ["linear_params", "gpt_flops", "dense_flops", "calibrate_peak", "bus_bandwidth",
-           "dp_bytes", "roofline", "comm_bound"]
+           "dp_bytes", "roofline", "comm_bound", "table"]
 
 
 def linear_params(model: Any) -> int:
@@ -110,3 +112,31 @@ def comm_bound(compute_s: float, comm_bytes: float, bandwidth: float) -> dict[st
     comm_s = comm_bytes / bandwidth
     return {"compute_s": compute_s, "comm_s": comm_s, "ratio": comm_s / compute_s,
             "bound": "communication" if comm_s > compute_s else "compute"}
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The roofline of a run's rows as a markdown table (empty when they carry none): per
+    variant its FLOPs, achieved FLOP/s, MFU, waiting share, and, where the variant's data-
+    parallel bytes are known, their time at the measured bandwidth against its compute time."""
+    rows = [r for r in rows if r.get("mfu") is not None]
+    if not rows:
+        return []
+    peak = max(r["peak_gflops"] for r in rows)
+    lines = [_("Roofline per variant, on the matmul peak these cores reached in the same run "
+               "({peak:.1f} GFLOP/s per rank). Communication-bound where the data-parallel bytes "
+               "over the measured bandwidth take longer than the compute (comm / compute above "
+               "1): no overlap can hide that.", peak=peak), "",
+             "| {} | {} | {} | {} | {} | {} |".format(
+                 _("variant"), _("GFLOP per step"), _("GFLOP/s"), _("MFU"), _("waiting"),
+                 _("comm / compute")),
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio = "-"
+        if r.get("dp_mib") and r.get("bus_gbps") and r.get("wait_share") is not None:
+            compute_s = r["step_ms"] / 1e3 * (1 - r["wait_share"])
+            bound = comm_bound(compute_s, r["dp_mib"] * 2**20, r["bus_gbps"] * 1e9)
+            ratio = f"{bound['ratio']:.2f}"
+        wait = "-" if r.get("wait_share") is None else f"{r['wait_share']:.0%}"
+        lines.append(f"| {r['variant']} | {r['gflop_per_step']:.2f} | "
+                     f"{r['achieved_gflops']:.1f} | {r['mfu']:.1%} | {wait} | {ratio} |")
+    return lines + [""]
