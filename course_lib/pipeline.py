@@ -126,6 +126,11 @@ class PipelineSchedule:
         forward_step(self, mb)
 
     def _backward(self, mb: int) -> None:
+        st = self.stage
+        # Header and gradient posted together right before backward_step receives them:
+        # one wait instead of two, and the pair's order of operations unchanged.
+        if not st.is_last and mb in self.stash:
+            st.irecv(st.next, GRADIENT_TAG, mb, like=self.stash[mb][1])
         backward_step(self, mb)
 
     @contextlib.contextmanager

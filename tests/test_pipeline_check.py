@@ -331,3 +331,17 @@ def test_recorded_lesson07_executor_is_the_model_and_passes(p):
                     assert comms.pair_sequence(recorded, a, b) == \
                         comms.pair_sequence(model, a, b), (kind, m, a, b)
         check_nccl(recorded)
+
+
+def test_a_gradients_header_and_tensor_are_posted_together():
+    """A stage before the last posts a gradient's header and tensor receives back to back just
+    before its backward takes them: one wait per gradient, not a receive of the header and then
+    of the tensor, and the pair's order stays the modelled one (the test above)."""
+    from course_lib.spawn import spawn
+
+    per_rank = spawn(lesson07_step_logs, 2, (("1f1b", 3), ("gpipe", 2)), backend="scratch",
+                     timeout=60)
+    for log in per_rank[0]:
+        grads = [i for i, entry in enumerate(log) if entry[0] != "wait" and entry[2] == 2]
+        assert grads and all(log[i][0] == "irecv" for i in grads), log
+        assert all(tensor == header + 1 for header, tensor in zip(grads[::2], grads[1::2]))
