@@ -2,7 +2,8 @@
 first conflicting pair, and models NCCL's per-pair order: lesson 07c's GPipe and 1F1B pass it,
 the order that also prefetches gradients hangs 1F1B from 3 micro-batches, and the real 07c
 executor, recorded on the scratch backend (p = 2, 3; m = 2, 3, 5, 8), issues exactly the
-modelled order and passes. Everything here is simulated except that recording (two spawns).
+modelled order, posts each gradient's two receives together, and passes. Everything here is
+simulated except that recording (two spawns).
 """
 
 from __future__ import annotations
@@ -318,11 +319,20 @@ def lesson07_step_logs(rank: int, world: int, runs: tuple) -> list:
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_recorded_lesson07_executor_is_the_model_and_passes(p):
+    """The real executor issues the modelled order on every pair and passes NCCL's rule; a
+    stage before the last posts a gradient's header and tensor receives back to back, just
+    before its backward takes them (one wait per gradient, not a header's and then a tensor's)."""
     from course_lib.spawn import spawn
 
     runs = (("gpipe", 4), ("1f1b", 2), ("1f1b", 3), ("1f1b", 5), ("1f1b", 8))
     per_rank = spawn(lesson07_step_logs, p, runs, backend="scratch", timeout=60)
     for i, (kind, m) in enumerate(runs):
+        for rank in range(p - 1):  # a gradient's header and tensor receives, back to back
+            log = per_rank[rank][i]
+            grads = [k for k, entry in enumerate(log) if entry[0] in ("recv", "irecv")
+                     and entry[2] == 2]
+            assert grads and all(log[k][0] == "irecv" for k in grads), (kind, m, rank)
+            assert all(tensor == header + 1 for header, tensor in zip(grads[::2], grads[1::2]))
         recorded = [programs_from(logs[i], rank) for rank, logs in enumerate(per_rank)]
         model = comms.lesson07_programs(pipeline_schedules.make(kind, p, m))
         for a in range(p):
@@ -332,16 +342,3 @@ def test_recorded_lesson07_executor_is_the_model_and_passes(p):
                         comms.pair_sequence(model, a, b), (kind, m, a, b)
         check_nccl(recorded)
 
-
-def test_a_gradients_header_and_tensor_are_posted_together():
-    """A stage before the last posts a gradient's header and tensor receives back to back just
-    before its backward takes them: one wait per gradient, not a receive of the header and then
-    of the tensor, and the pair's order stays the modelled one (the test above)."""
-    from course_lib.spawn import spawn
-
-    per_rank = spawn(lesson07_step_logs, 2, (("1f1b", 3), ("gpipe", 2)), backend="scratch",
-                     timeout=60)
-    for log in per_rank[0]:
-        grads = [i for i, entry in enumerate(log) if entry[0] != "wait" and entry[2] == 2]
-        assert grads and all(log[i][0] == "irecv" for i in grads), log
-        assert all(tensor == header + 1 for header, tensor in zip(grads[::2], grads[1::2]))
