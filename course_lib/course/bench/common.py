@@ -61,7 +61,7 @@ def timing_process() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: its allocator as it is
         return
-    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's largest: buffers up to it stay in the heap
+    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's largest: smaller buffers use the heap
     libc.mallopt(M_TRIM_THRESHOLD, 2**30)  # and the heap keeps what they free
 
 

@@ -3,8 +3,9 @@ Spanish edition) from the runs kept in docs/bench/ (each benchmark's `--json`, a
 
 Per run: the command, the machine it ran on, one table of the figures as ratios measured in
 the same run (never against another run's numbers), the target beside each, met or missed, the
-roofline of each variant where the benchmark measures one, and the plot. The page holds no date and no anecdote: what was measured, where, and against what.
-`course.py build --check` fails while the page differs from what its runs give.
+roofline of each variant where the benchmark measures one, and the plot. The page holds no date
+and no anecdote: what was measured, where, and against what. `course.py build --check` fails
+while the page differs from what its runs give.
 """
 
 from __future__ import annotations
