@@ -39,9 +39,10 @@ def sharded_dist(dist: Any = None, group: Any = None) -> Any:
 
 class _Exchange:
     """The sends and receives of one collective in flight; `wait()` ends them, then runs
-    `then()` once, as torch's Work does for its result."""
+    `then()` once, as torch's Work does for its result. `what()` names the exchange in an error
+    (built only then: an exchange is on every step's hot path)."""
 
-    def __init__(self, works: list[Any], then: Callable[[], None], what: str):
+    def __init__(self, works: list[Any], then: Callable[[], None], what: Callable[[], str]):
         self.works, self.then, self.what, self.done = works, then, what, False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -50,7 +51,7 @@ class _Exchange:
                 for work in self.works:
                     work.wait() if timeout is None else work.wait(timeout)
             except RuntimeError as exc:
-                raise RuntimeError(f"{self.what}: {exc}") from exc
+                raise RuntimeError(f"{self.what()}: {exc}") from exc
             self.then()
             self.done = True
         return True
@@ -82,7 +83,7 @@ class PointToPointShards:
             ops.append(self._dist.P2POp(self._dist.isend, sends[k], to, group=group))
             ops.append(self._dist.P2POp(self._dist.irecv, recvs[k], frm, group=group))
         works = self._dist.batch_isend_irecv(ops) if ops else []
-        work = _Exchange(works, then, _(
+        work = _Exchange(works, then, lambda: _(
             "{what} on rank {rank}, exchanging with ranks {peers}", what=what, rank=peers[rank],
             peers=[p for p in peers if p != peers[rank]]))
         if async_op:
@@ -99,7 +100,7 @@ class PointToPointShards:
         rank, world = self._rank_world(group)
         _check_shapes("reduce_scatter", input_list, output, world)
         sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
-        recvs = [torch.empty_like(output) for _ in range(world)]
+        recvs = [output, *(torch.empty_like(output) for _ in range(1, world))]  # [0]: unused
 
         def add_in_rank_order() -> None:
             # recvs[k] came from the rank k places before: rank r's piece is recvs[(me - r) % N]

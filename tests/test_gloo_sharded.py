@@ -90,3 +90,24 @@ def test_only_torch_distributed_on_gloo_is_wrapped():
 
     assert not tdist.is_initialized()
     assert sharded_dist(tdist) is tdist  # no group: nothing to decide, torch's own
+
+
+def test_a_failed_exchange_names_itself_and_only_then_builds_the_name():
+    """A send or receive that fails is reported with the exchange's name (which collective,
+    which rank, which peers); the name is built only on failure, not on every exchange, and
+    `then()` does not run."""
+    from course_lib.gloo_sharded import _Exchange
+
+    class Broken:
+        def wait(self, *args):
+            raise RuntimeError("Connection reset by peer")
+
+    named, ran = [], []
+    ok = _Exchange([], lambda: ran.append(1), lambda: named.append(1) or "never")
+    assert ok.wait() and ran == [1] and named == []
+    bad = _Exchange([Broken()], lambda: ran.append(2), lambda: "all_gather on rank 0, "
+                    "exchanging with ranks [1]")
+    with pytest.raises(RuntimeError, match=r"all_gather on rank 0, exchanging with ranks \[1\]: "
+                                           "Connection reset by peer"):
+        bad.wait()
+    assert ran == [1]
