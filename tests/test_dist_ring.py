@@ -163,3 +163,30 @@ def test_a_reader_polls_through_gaps_inside_a_frame_and_sleeps_between_frames(
     stream.recv_exact(memoryview(got), time.monotonic() + 5, soon=soon)
     writer.join()
     assert got == b"x" and bool(calls) is sleeps, calls
+
+
+@pytest.mark.parametrize("how", ["closes", "resets"])
+def test_a_peer_gone_is_peer_closed_whether_it_closed_or_reset(how):
+    """A peer that closes its end, or dies with bytes unread so the kernel resets the link,
+    is PeerClosed for `check_peer` (which the shared-memory waits poll), never a raw
+    ConnectionResetError that no error of ours names; a live quiet peer is not."""
+    import struct
+
+    from course_lib.dist.stream import PeerClosed
+
+    server = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(server.getsockname())
+    theirs, _addr = server.accept()
+    server.close()
+    try:
+        ring.check_peer(mine)  # alive and silent
+        if how == "resets":
+            mine.sendall(b"unread")
+            time.sleep(0.05)
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        theirs.close()
+        time.sleep(0.05)
+        with pytest.raises(PeerClosed):
+            ring.check_peer(mine)
+    finally:
+        mine.close()

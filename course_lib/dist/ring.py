@@ -247,13 +247,8 @@ class RingStream:
 
     def _drain_wakeups(self) -> None:
         """Read the wake-up bytes; anything else on this socket is a peer breaking protocol."""
-        try:
-            data = self.sock.recv(4096, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        if not data:
-            raise PeerClosed(_("peer closed the connection"))
-        if data.strip(b"\x01"):
+        data = recv_now(self.sock, 4096)
+        if data is not None and data.strip(b"\x01"):
             raise ProtocolError(_("bytes other than wake-ups on a shared-memory link's "
                                   "socket"))
 
@@ -273,13 +268,24 @@ def pause(sock: socket.socket, deadline: float, delay: float,
     return min(2 * delay, 1e-3)
 
 
+def recv_now(sock: socket.socket, size: int, flags: int = 0) -> bytes | None:
+    """Up to `size` bytes `sock` holds now (left there with MSG_PEEK in `flags`), None if it
+    holds none; PeerClosed if the peer has closed it, with an end of stream or with a reset
+    (a process that dies with bytes unread on its side resets the connection)."""
+    try:
+        data = sock.recv(size, flags | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except ConnectionResetError as exc:
+        raise PeerClosed(_("peer closed the connection")) from exc
+    if not data:
+        raise PeerClosed(_("peer closed the connection"))
+    return data
+
+
 def check_peer(sock: socket.socket) -> None:
     """Raise PeerClosed if the peer has closed the socket (without consuming anything)."""
-    try:
-        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-            raise PeerClosed(_("peer closed the connection"))
-    except BlockingIOError:
-        pass
+    recv_now(sock, 1, socket.MSG_PEEK)
 
 
 def reduce_through_copy(stream, target: torch.Tensor, combine: Callable,
