@@ -87,14 +87,23 @@ def test_a_timing_process_keeps_the_memory_a_step_frees():
     assert run("returning")[1] > 12288 * 9 // 10  # what the check tells apart
 
 
-def test_variants_take_turns_at_every_place_in_an_iteration():
-    """Over as many iterations as variants, `rotated` puts each variant at every place once, so
-    none always runs first (after the compute-only step) or after the same neighbour."""
-    from course_lib.course.bench.common import rotated
+def test_variants_take_turns_at_every_place_and_after_every_neighbour():
+    """Over a full cycle of `balanced_order` (n iterations, 2n for an odd n), each variant runs
+    at every place, and just after every other variant, equally often (a rotation keeps every
+    variant after the same neighbour)."""
+    from collections import Counter
 
-    names = ["ddp", "zero1", "zero2", "zero3"]
-    orders = [rotated(names, i) for i in range(len(names))]
-    assert all(sorted(order) == sorted(names) for order in orders)
-    for place in range(len(names)):
-        assert sorted(order[place] for order in orders) == sorted(names)
-    assert rotated(names, len(names)) == names and rotated([], 3) == []
+    from course_lib.course.bench.common import balanced_order
+
+    for n in [*range(1, 9), 13]:
+        names = [f"v{k}" for k in range(n)]
+        cycle = n if n % 2 == 0 else 2 * n
+        orders = [balanced_order(names, i) for i in range(cycle)]
+        assert all(sorted(order) == sorted(names) for order in orders), n
+        places = Counter((place, v) for order in orders for place, v in enumerate(order))
+        assert set(places.values()) == {cycle // n} and len(places) == n * n, n
+        after = Counter(pair for order in orders for pair in zip(order, order[1:]))
+        assert len(after) == n * (n - 1), n  # every ordered pair of neighbours occurs...
+        assert len(set(after.values())) <= 1, (n, after)  # ...equally often
+        assert balanced_order(names, cycle) == orders[0]
+    assert balanced_order([], 3) == []

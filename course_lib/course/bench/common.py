@@ -70,12 +70,21 @@ KEPT_MEMORY = N_("Timed in processes that keep the memory a step frees for the n
                  "processes, so the setting holds for all of them alike.")
 
 
-def rotated(names: Sequence[str], i: int) -> list[str]:
-    """`names` starting from the i-th (modulo their count): stepping the variants in this order
-    at iteration i, each follows every other as often, so none always runs just after the
-    same neighbour (or the compute-only step that ends an iteration)."""
-    k = i % len(names) if names else 0
-    return [*names[k:], *names[:k]]
+def balanced_order(names: Sequence[str], i: int) -> list[str]:
+    """The order to step the variants in at iteration i: row i of a Williams design (a balanced
+    Latin square). Over len(names) iterations, or twice as many for an odd count, each variant
+    runs at every place and just after every other variant equally often, so none always runs
+    first (after the compute-only step that ends an iteration) or after the same neighbour."""
+    n = len(names)
+    first, low, high = [], 0, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference once
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = [names[(j + i) % n] for j in first]
+    return row[::-1] if n % 2 and (i // n) % 2 else row  # odd n: the mirrored rows too
 
 
 def slowest_rank(per_rank_seconds: Sequence[Sequence[float]]) -> list[float]:

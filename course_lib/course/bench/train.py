@@ -1,13 +1,13 @@
 """train: the capstone's GPT on each (dp, tp, pp) layout and on PyTorch's own stack, side by side.
 
 Every variant is a `course_lib.train.Run` of the same model and batches on the same gloo process
-group, built once and stepped in turn, iteration by iteration (the order turning by one each
-iteration), so the machine's noise hits all of them alike (in processes that keep the memory a step
-frees: `common.timing_process`). Per variant: median step time of the slowest rank, tokens per
-second, the ratio to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard,
-DTensor's TP with FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of parameters,
-gradients and optimizer state of the fullest rank, measured from the tensors' storages and by the
-formula the capstone notebook states. The roofline of each step
+group, built once and stepped in turn, iteration by iteration (in a balanced order:
+`common.balanced_order`), so the machine's noise hits all of them alike (in processes that keep the
+memory a step frees: `common.timing_process`). Per variant: median step time of the slowest rank,
+tokens per second, the ratio to torch's counterpart (DDP, ZeroRedundancyOptimizer, FSDP2's
+fully_shard, DTensor's TP with FSDP2, torch.distributed.pipelining's 1F1B), and the bytes of
+parameters, gradients and optimizer state of the fullest rank, measured from the tensors' storages
+and by the formula the capstone notebook states. The roofline of each step
 (`course_lib.course.bench.roofline`): model FLOPs per rank (6 x N x tokens plus attention, over the
 4 ranks), achieved FLOP/s against the matmul peak measured on every rank at once in the same run,
 MFU, and the share of the step not spent computing (1 - compute / step; compute: a local GPT's
@@ -21,8 +21,8 @@ import argparse
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import (KEPT_MEMORY, Figure, choose, clock, median,
-                                           rotated, slowest_rank, speed_and_state, timing_process)
+from course_lib.course.bench.common import (KEPT_MEMORY, Figure, balanced_order, choose, clock,
+                                           median, slowest_rank, speed_and_state, timing_process)
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dp_bytes, gpt_flops,
                                               roofline)
 from course_lib.train import TrainConfig
@@ -103,7 +103,7 @@ def measure(names: list[str], args: dict) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     compute: dict[int, dict[str, list[float]]] = {dp: {"fb": [], "adam": []} for dp in local}
     for i in range(args["warmup"] + args["steps"]):
-        for n in rotated(names, i):
+        for n in balanced_order(names, i):
             run = runs[n]
             x, y = next(run.data)
             tdist.barrier()

@@ -1,14 +1,14 @@
 """zero: our DDP, ZeRO-1, -2 and -3 against torch DDP, ZeroRedundancyOptimizer and FSDP2.
 
 Every variant trains its own copy of the DDP benchmark's block model with Adam (fp32) on gloo, in
-the same processes, interleaved iteration by iteration (the order turning by one each iteration),
-so the machine's noise hits all of them alike (processes that keep the memory a step frees:
-`common.timing_process`). ZeRO-3 wraps each block, ours and FSDP2 alike, and, as torchtitan does,
-lets the last one keep its parameters from forward to backward, which gathers them at once again.
-Per variant: median step time of the slowest rank and its ratio to our DDP and to torch's
-counterpart; bytes of parameters, gradients and optimizer state per rank, measured from the
-tensors' storages and by the closed form; and, in a separate run per variant (peak resident memory
-is a high-water mark, so it needs a process of its own), the peak RSS growth of a rank over
+the same processes, interleaved iteration by iteration (in a balanced order:
+`common.balanced_order`), so the machine's noise hits all of them alike (processes that keep the
+memory a step frees: `common.timing_process`). ZeRO-3 wraps each block, ours and FSDP2 alike, and,
+as torchtitan does, lets the last one keep its parameters from forward to backward, which gathers
+them at once again. Per variant: median step time of the slowest rank and its ratio to our DDP and
+to torch's counterpart; bytes of parameters, gradients and optimizer state per rank, measured from
+the tensors' storages and by the closed form; and, in a separate run per variant (peak resident
+memory is a high-water mark, so it needs a process of its own), the peak RSS growth of a rank over
 building the variant and training a few steps (the high-water mark reset to the current RSS first).
 The roofline of each step (`course_lib.course.bench.roofline`): model FLOPs per rank (6 x linear
 parameters x samples; no attention in this model), achieved FLOP/s against the matmul peak measured
@@ -24,9 +24,8 @@ import resource
 from typing import Any, Iterable
 
 from course_lib.i18n import N_, _
-from course_lib.course.bench.common import (KEPT_MEMORY, Figure, choose, clock, median,
-                                           rotated, slowest_rank, speed_and_state,
-                                           timing_process)
+from course_lib.course.bench.common import (KEPT_MEMORY, Figure, balanced_order, choose, clock,
+                                           median, slowest_rank, speed_and_state, timing_process)
 from course_lib import zero
 from course_lib.course.bench.ddp import make_blocks
 from course_lib.course.bench.roofline import (bus_bandwidth, calibrate_peak, dense_flops, dp_bytes,
@@ -151,7 +150,7 @@ def measure(names: list[str], args: dict, rank: int) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     compute: dict[str, list[float]] = {"forward_backward": [], "adam": []}
     for it in range(args["warmup"] + args["iters"]):
-        for n in rotated(names, it):
+        for n in balanced_order(names, it):
             tdist.barrier()
             t0 = clock(x.device)
             _step(*built[n], x)
