@@ -1,13 +1,18 @@
-"""Reduce-scatter and all-gather for the sharded optimizers on a gloo group, over point to point.
+"""Reduce-scatter and all-gather for ZeRO and FSDP on a gloo group, each piece straight to its owner.
 
 gloo's own `reduce_scatter` and `all_gather` are each slower on CPU than an `all_reduce` of the
 same bytes, though the two together should cost what one all-reduce does. ZeRO and FSDP move
-every parameter's bytes through one of each per step, so `sharded_dist(torch.distributed,
-group)` hands them a `dist` whose two collectives send each rank's piece straight to its owner
-(`batch_isend_irecv`, every pair at once): the bytes a ring sends, (N-1)/N of the buffer per
-rank. Sums are taken in rank order, so every rank's shard is the same sum whichever rank
-computes it. Everything else, and every group that is not gloo, goes to torch.distributed
-unchanged (NCCL's own collectives are the fast ones there).
+every parameter's bytes through one of each per step (FSDP once per unit and pass), so
+`sharded_dist(torch.distributed, group)` hands them a `dist` whose two collectives send each
+rank's piece straight to its owner: the bytes a ring sends, (N-1)/N of the buffer per rank. Two
+ways, measured with `python -m course_lib.course.bench zero` at worlds 2 and 4. Point to point,
+every pair at once, from the caller's thread, with no staging copy: ZeRO's buckets, which the
+caller waits for, and FSDP's larger units. One `all_to_all_single`, which the group's worker
+thread moves while the caller computes, at the price of staging copies: FSDP's small units, in
+flight while it computes, where a handshake with every peer per exchange (point to point, on the
+caller's thread) costs more than their bytes. Sums are taken in rank order, so every rank's shard
+is the same sum whichever rank computes it. Everything else, and every group that is not gloo,
+goes to torch.distributed unchanged (NCCL's own collectives are the fast ones there).
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import torch
 from course_lib.backend import default_dist, global_rank
 from course_lib.i18n import N_, _
 
-__all__ = ["sharded_dist", "PointToPointShards"]
+__all__ = ["sharded_dist", "ShardExchanges", "ALL_TO_ALL_MAX_BYTES"]
+
+# Overlapped collectives of buffers up to this size go as one all-to-all. Measured with FSDP units
+# of 1, 2 and 4 blocks: all-to-all faster with units of 2 MiB (pieces of 1 MiB at world 2, 0.5 MiB
+# at world 4), point to point faster with units of 4 MiB and more.
+ALL_TO_ALL_MAX_BYTES = 3 * 2**20
 
 
-def sharded_dist(dist: Any = None, group: Any = None) -> Any:
+def sharded_dist(dist: Any = None, group: Any = None, *, overlapped: bool = False) -> Any:
     """The `dist` to use (`default_dist`'s), or, for torch.distributed on a gloo group, a
-    `PointToPointShards` over it."""
+    `ShardExchanges` over it; `overlapped`: the caller computes while they are in flight."""
     import torch.distributed as tdist
 
     dist = default_dist(dist)
@@ -34,13 +44,13 @@ def sharded_dist(dist: Any = None, group: Any = None) -> Any:
         backend = str(tdist.get_backend(group))
     except (RuntimeError, ValueError):  # not a member of `group`: the callers say so
         return dist
-    return PointToPointShards(tdist) if backend == "gloo" else dist
+    return ShardExchanges(tdist, overlapped) if backend == "gloo" else dist
 
 
 class _Exchange:
-    """The sends and receives of one collective in flight; `wait()` ends them, then runs
-    `then()` once, as torch's Work does for its result. `what()` names the exchange in an error
-    (built only then: an exchange is on every step's hot path)."""
+    """A collective in flight; `wait()` ends it, then runs `then()` once, as torch's Work does
+    for its result. `what()` names the exchange in an error (built only then: an exchange is on
+    every step's hot path)."""
 
     def __init__(self, works: list[Any], then: Callable[[], None], what: Callable[[], str]):
         self.works, self.then, self.what, self.done = works, then, what, False
@@ -57,12 +67,13 @@ class _Exchange:
         return True
 
 
-class PointToPointShards:
-    """torch.distributed, with `reduce_scatter` (SUM) and `all_gather` of CPU tensors done by
-    point-to-point exchanges; every other name is torch.distributed's own."""
+class ShardExchanges:
+    """torch.distributed, with `reduce_scatter` (SUM) and `all_gather` of CPU tensors sent
+    straight to their owners (as one all-to-all if `overlapped` and small, else point to point);
+    every other name is torch.distributed's own."""
 
-    def __init__(self, dist: Any):
-        self._dist = dist
+    def __init__(self, dist: Any, overlapped: bool = False):
+        self._dist, self.overlapped = dist, overlapped
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dist, name)
@@ -70,11 +81,19 @@ class PointToPointShards:
     def _rank_world(self, group: Any) -> tuple[int, int]:
         return self._dist.get_rank(group), self._dist.get_world_size(group)
 
-    def _launch(self, what: str, sends: list[torch.Tensor], recvs: list[torch.Tensor],
-                group: Any, then: Callable[[], None], async_op: bool) -> _Exchange | None:
+    def _as_all_to_all(self, piece: torch.Tensor, world: int) -> bool:
+        return (world > 1 and self.overlapped
+                and world * piece.numel() * piece.element_size() <= ALL_TO_ALL_MAX_BYTES)
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> list[Any]:
+        """Send `input`'s r-th piece to rank r and receive rank r's into `output`'s r-th, on the
+        group's worker thread."""
+        return [self._dist.all_to_all_single(output, input, group=group, async_op=True)]
+
+    def _pairwise(self, sends: list[torch.Tensor], recvs: list[torch.Tensor],
+                  group: Any) -> list[Any]:
         """Send `sends[k]` to the rank k places after this one and receive `recvs[k]` from the
-        rank k places before, for k = 1 .. N-1 (index 0 unused), every pair at once; `then()`
-        once they are done."""
+        rank k places before, for k = 1 .. N-1 (index 0 unused), every pair at once."""
         rank, world = self._rank_world(group)
         peers = [global_rank(self._dist, group, r) for r in range(world)]
         ops = []
@@ -82,13 +101,21 @@ class PointToPointShards:
             to, frm = peers[(rank + k) % world], peers[(rank - k) % world]
             ops.append(self._dist.P2POp(self._dist.isend, sends[k], to, group=group))
             ops.append(self._dist.P2POp(self._dist.irecv, recvs[k], frm, group=group))
-        works = self._dist.batch_isend_irecv(ops) if ops else []
-        work = _Exchange(works, then, lambda: _(
-            "{what} on rank {rank}, exchanging with ranks {peers}", what=what, rank=peers[rank],
-            peers=[p for p in peers if p != peers[rank]]))
+        return self._dist.batch_isend_irecv(ops) if ops else []
+
+    def _finish(self, what: str, works: list[Any], group: Any, then: Callable[[], None],
+                async_op: bool) -> _Exchange | None:
+        """The exchange in flight (`async_op`), or None once it is done and `then()` has run."""
+        def what_failed() -> str:
+            rank, world = self._rank_world(group)
+            peers = [global_rank(self._dist, group, r) for r in range(world)]
+            return _("{what} on rank {rank}, exchanging with ranks {peers}", what=what,
+                     rank=peers[rank], peers=[p for p in peers if p != peers[rank]])
+
+        exchange = _Exchange(works, then, what_failed)
         if async_op:
-            return work
-        work.wait()
+            return exchange
+        exchange.wait()
         return None
 
     def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
@@ -99,13 +126,19 @@ class PointToPointShards:
                                              async_op=async_op)
         rank, world = self._rank_world(group)
         _check_shapes("reduce_scatter", input_list, output, world)
-        sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
-        recvs = [output, *(torch.empty_like(output) for _ in range(1, world))]  # [0]: unused
+        if self._as_all_to_all(output, world):
+            send = _as_one(input_list)
+            send = send if send is not None else torch.stack(list(input_list))
+            got = output.new_empty((world, *output.shape))  # got[r]: from rank r
+            works = self._all_to_all(got, send, group)
+        else:
+            sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
+            recvs = [output, *(torch.empty_like(output) for _ in range(1, world))]  # [0]: unused
+            works = self._pairwise(sends, recvs, group)
+            got = [recvs[(rank - r) % world] for r in range(world)]  # recvs[k]: k places before
+        pieces = [input_list[r] if r == rank else got[r] for r in range(world)]
 
         def add_in_rank_order() -> None:
-            # recvs[k] came from the rank k places before: rank r's piece is recvs[(me - r) % N]
-            pieces = [input_list[r] if r == rank else recvs[(rank - r) % world]
-                      for r in range(world)]
             if world == 1:
                 output.copy_(pieces[0])
                 return
@@ -113,7 +146,7 @@ class PointToPointShards:
             for piece in pieces[2:]:
                 output.add_(piece)
 
-        return self._launch("reduce_scatter", sends, recvs, group, add_in_rank_order, async_op)
+        return self._finish("reduce_scatter", works, group, add_in_rank_order, async_op)
 
     def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor,
                    group: Any = None, async_op: bool = False) -> Any:
@@ -122,14 +155,25 @@ class PointToPointShards:
                                          async_op=async_op)
         rank, world = self._rank_world(group)
         _check_shapes("all_gather", tensor_list, tensor, world)
-        recvs = [tensor_list[(rank - k) % world] for k in range(world)]
+        together = _as_one(tensor_list)
+        if self._as_all_to_all(tensor, world):
+            into = together if together is not None else tensor.new_empty((world, *tensor.shape))
+            mine = tensor.unsqueeze(0).expand(world, *tensor.shape).contiguous()  # one per rank
+            works = self._all_to_all(into, mine, group)
 
-        def own_piece() -> None:
-            if tensor_list[rank].data_ptr() != tensor.data_ptr():
-                tensor_list[rank].copy_(tensor)
+            def place() -> None:  # the all-to-all put the own piece in place too
+                if together is None:
+                    for piece, got in zip(tensor_list, into):
+                        piece.copy_(got)
+        else:
+            recvs = [tensor_list[(rank - k) % world] for k in range(world)]
+            works = self._pairwise([tensor.contiguous()] * world, recvs, group)
 
-        return self._launch("all_gather", [tensor.contiguous()] * world, recvs, group, own_piece,
-                            async_op)
+            def place() -> None:
+                if tensor_list[rank].data_ptr() != tensor.data_ptr():
+                    tensor_list[rank].copy_(tensor)
+
+        return self._finish("all_gather", works, group, place, async_op)
 
 
 _SHAPES = {  # what a collective's list of tensors and its single one must agree on
@@ -146,6 +190,19 @@ def _check_shapes(what: str, pieces: Sequence[torch.Tensor], one: torch.Tensor,
     if len(pieces) != world or any(t.shape != one.shape for t in pieces):
         raise ValueError(_(_SHAPES[what], n=len(pieces), shapes=[tuple(t.shape) for t in pieces],
                            world=world, shape=tuple(one.shape)))
+
+
+def _as_one(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The pieces as one tensor of shape (N, *piece) over their own memory, when they lie
+    back to back in one storage (a flat buffer's chunks), else None."""
+    first = pieces[0]
+    step = first.numel() * first.element_size()
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr()
+               == first.untyped_storage().data_ptr()
+               and t.data_ptr() == first.data_ptr() + k * step for k, t in enumerate(pieces)):
+        return None
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (len(pieces), *first.shape))
 
 
 def _plain_cpu(*tensors: torch.Tensor) -> bool:

@@ -279,7 +279,9 @@ class UnitBase:
     schedule_class: Callable[[], Any]
 
     def __init__(self, module: nn.Module, reshard_after_forward: bool, dist: Any, group: Any):
-        self.module, self.dist, self.group = module, sharded_dist(dist, group), group
+        # its gathers and reductions are in flight while it computes
+        self.dist = sharded_dist(dist, group, overlapped=True)
+        self.module, self.group = module, group
         self.reshard_after_forward = reshard_after_forward
         self.rank, self.world_size = group_rank(self.dist, group, "fully_shard")
         inner = [m._zero_unit for m in module.modules()

@@ -1,6 +1,7 @@
-"""course_lib.gloo_sharded: the point-to-point reduce-scatter and all-gather that ZeRO and FSDP use
-on gloo give exactly what the collectives define (the sum taken in rank order), on 2, 3 and 4
-ranks, on a sub-group, several in flight at once; anything else goes to torch.distributed."""
+"""course_lib.gloo_sharded: the reduce-scatter and all-gather that ZeRO and FSDP use on gloo, as
+one all-to-all or point to point, give exactly what the collectives define (the sum taken in rank
+order), on 2, 3 and 4 ranks, on a sub-group, several in flight at once, with pieces in one buffer
+or apart; anything else goes to torch.distributed."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ def rank_order_sum(rank: int, world: int) -> torch.Tensor:
     return out
 
 
-def exchange(rank: int, world: int) -> dict:
+def exchange(rank: int, world: int, overlapped: bool) -> dict:
     import torch.distributed as tdist
 
-    from course_lib.gloo_sharded import PointToPointShards, sharded_dist
+    from course_lib.gloo_sharded import ShardExchanges, sharded_dist
 
-    dist = sharded_dist(tdist)
-    out = {"wrapped": isinstance(dist, PointToPointShards)}
+    dist = sharded_dist(tdist, overlapped=overlapped)
+    out = {"wrapped": isinstance(dist, ShardExchanges)}
     shard = torch.empty(SHARD)
     assert dist.reduce_scatter(shard, inputs(rank, world)) is None  # as torch's: None when sync
     out["sync"] = torch.equal(shard, rank_order_sum(rank, world))
@@ -49,6 +50,13 @@ def exchange(rank: int, world: int) -> dict:
     mine.copy_(inputs(rank, world)[0])
     dist.all_gather(list(flat.unbind(0)), mine, async_op=True).wait()
     out["all_gather"] = all(torch.equal(flat[r], inputs(r, world)[0]) for r in range(world))
+    apart = [torch.full((2, SHARD // 2), -1.0) for _ in range(world)]  # not one buffer
+    dist.all_gather(apart, inputs(rank, world)[-1].view(2, -1))
+    out["all_gather apart"] = all(torch.equal(apart[r].view(-1), inputs(r, world)[-1])
+                                  for r in range(world))
+    two_d = torch.empty(2, SHARD // 2)
+    dist.reduce_scatter(two_d, [t.view(2, -1) for t in inputs(rank, world)])
+    out["2-d"] = torch.equal(two_d.view(-1), rank_order_sum(rank, world))
     m = torch.empty(SHARD)
     dist.reduce_scatter(m, inputs(rank, world), op=tdist.ReduceOp.MAX)  # torch's own
     out["max"] = torch.equal(m, torch.stack([inputs(r, world)[rank] for r in range(world)]
@@ -61,7 +69,7 @@ def exchange(rank: int, world: int) -> dict:
         group = tdist.new_group([1, 3])
         if rank in (1, 3):
             me = rank // 2
-            sub = sharded_dist(tdist, group)
+            sub = sharded_dist(tdist, group, overlapped=overlapped)
             got = torch.empty(SHARD)
             sub.reduce_scatter(got, inputs(rank, 2), group=group)
             pieces = [inputs(r, 2)[me] for r in (1, 3)]
@@ -69,11 +77,14 @@ def exchange(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("way", ["all-to-all", "point to point"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_point_to_point_shards_equal_the_collectives(world):
-    for rank, res in enumerate(spawn(exchange, world, backend="gloo", timeout=120)):
+def test_shard_exchanges_equal_the_collectives(world, way):
+    """Both ways: as one all-to-all (overlapped), or point to point."""
+    overlapped = way == "all-to-all"
+    for rank, res in enumerate(spawn(exchange, world, overlapped, backend="gloo", timeout=120)):
         assert res["wrapped"], rank
-        for key in ("sync", "in flight", "all_gather", "max"):
+        for key in ("sync", "in flight", "all_gather", "all_gather apart", "2-d", "max"):
             assert res[key], (key, rank)
         assert res["bad"].startswith(f"reduce_scatter: {world - 1} inputs of shapes"), res["bad"]
         assert f"for a group of {world}" in res["bad"], res["bad"]
