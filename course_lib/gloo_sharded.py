@@ -1,18 +1,21 @@
-"""Reduce-scatter and all-gather for ZeRO and FSDP on a gloo group, each piece straight to its owner.
+"""Reduce-scatter and all-gather for ZeRO and FSDP on gloo: each piece straight to its owner.
 
 gloo's own `reduce_scatter` and `all_gather` are each slower on CPU than an `all_reduce` of the
 same bytes, though the two together should cost what one all-reduce does. ZeRO and FSDP move
 every parameter's bytes through one of each per step (FSDP once per unit and pass), so
 `sharded_dist(torch.distributed, group)` hands them a `dist` whose two collectives send each
-rank's piece straight to its owner: the bytes a ring sends, (N-1)/N of the buffer per rank. Two
-ways, measured with `python -m course_lib.course.bench zero` at worlds 2 and 4. Point to point,
-every pair at once, from the caller's thread, with no staging copy: ZeRO's buckets, which the
-caller waits for, and FSDP's larger units. One `all_to_all_single`, which the group's worker
-thread moves while the caller computes, at the price of staging copies: FSDP's small units, in
-flight while it computes, where a handshake with every peer per exchange (point to point, on the
-caller's thread) costs more than their bytes. Sums are taken in rank order, so every rank's shard
-is the same sum whichever rank computes it. Everything else, and every group that is not gloo,
-goes to torch.distributed unchanged (NCCL's own collectives are the fast ones there).
+rank's piece straight to its owner: the bytes a ring sends, (N-1)/N of the buffer per rank.
+
+Two ways, chosen by measurement (`python -m course_lib.course.bench zero --unit-blocks K`, worlds
+2 and 4). Point to point, every pair at once, from the caller's thread, with no staging copy: for
+ZeRO's buckets, which the caller waits for, and FSDP's larger units. One `all_to_all_single`,
+which the group's worker thread moves while the caller computes: for FSDP's small units, where
+point to point would cost the caller a handshake with every peer per exchange, more than the
+exchange's bytes; its staging copies lose for large buffers.
+
+Sums are taken in rank order, so every rank's shard is the same sum whichever rank computes it.
+Everything else, and every group that is not gloo, goes to torch.distributed unchanged (NCCL's
+own collectives are the fast ones there).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from course_lib.i18n import N_, _
 
 __all__ = ["sharded_dist", "ShardExchanges", "ALL_TO_ALL_MAX_BYTES"]
 
-# Overlapped collectives of buffers up to this size go as one all-to-all. Measured with FSDP units
-# of 1, 2 and 4 blocks: all-to-all faster with units of 2 MiB (pieces of 1 MiB at world 2, 0.5 MiB
-# at world 4), point to point faster with units of 4 MiB and more.
+# Overlapped collectives of buffers up to this size go as one all-to-all: with bench zero's units
+# of 1, 2 and 4 blocks, the all-to-all was faster for units of 2 MiB (pieces of 1 MiB at world 2,
+# 0.5 MiB at world 4), point to point for units of 4 MiB and more.
 ALL_TO_ALL_MAX_BYTES = 3 * 2**20
 
 
@@ -155,8 +158,8 @@ class ShardExchanges:
                                          async_op=async_op)
         rank, world = self._rank_world(group)
         _check_shapes("all_gather", tensor_list, tensor, world)
-        together = _as_one(tensor_list)
         if self._as_all_to_all(tensor, world):
+            together = _as_one(tensor_list)  # the pieces land in place when they are one buffer
             into = together if together is not None else tensor.new_empty((world, *tensor.shape))
             mine = tensor.unsqueeze(0).expand(world, *tensor.shape).contiguous()  # one per rank
             works = self._all_to_all(into, mine, group)

@@ -45,6 +45,18 @@ def exchange(rank: int, world: int, overlapped: bool) -> dict:
     wa.wait()
     out["in flight"] = (torch.equal(a, rank_order_sum(rank, world))
                         and torch.equal(b, 2 * rank_order_sum(rank, world)))
+    if overlapped and world > 1:  # a piece over the limit goes point to point, beside one that
+        from course_lib import gloo_sharded  # goes as an all-to-all, both in flight at once
+
+        gloo_sharded.ALL_TO_ALL_MAX_BYTES = world * SHARD * 4
+        big, small = torch.empty(2 * SHARD), torch.empty(SHARD)
+        wbig = dist.reduce_scatter(big, [torch.cat([t, t]) for t in inputs(rank, world)],
+                                   async_op=True)
+        wsmall = dist.reduce_scatter(small, inputs(rank, world), async_op=True)
+        wsmall.wait()
+        wbig.wait()
+        out["both ways"] = (torch.equal(big, rank_order_sum(rank, world).repeat(2))
+                            and torch.equal(small, rank_order_sum(rank, world)))
     flat = torch.zeros(world, SHARD)
     mine = flat[rank]  # a view of the output: the all-gather's own piece is already in place
     mine.copy_(inputs(rank, world)[0])
@@ -86,6 +98,7 @@ def test_shard_exchanges_equal_the_collectives(world, way):
         assert res["wrapped"], rank
         for key in ("sync", "in flight", "all_gather", "all_gather apart", "2-d", "max"):
             assert res[key], (key, rank)
+        assert res.get("both ways", world == 1 or not overlapped), rank
         assert res["bad"].startswith(f"reduce_scatter: {world - 1} inputs of shapes"), res["bad"]
         assert f"for a group of {world}" in res["bad"], res["bad"]
         if world == 4 and rank in (1, 3):
