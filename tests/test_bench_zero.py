@@ -34,11 +34,30 @@ def test_benchmark_rows_json_and_plot(tmp_path):
 def test_peak_runs_one_process_set_per_variant(tmp_path):
     out = tmp_path / "zero.json"
     assert bench_cli.main(["zero", "--variants", "zero3", "--hidden", "256", "--layers", "2",
-                           "--batch", "4", "--iters", "1", "--warmup", "0", "--timeout", "120",
-                           "--json", str(out)]) == 0
+                           "--unit-blocks", "2", "--batch", "4", "--iters", "1", "--warmup", "0",
+                           "--timeout", "120", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     # building alone allocates the whole model (2 blocks of 256 -> 1024 -> 256: 8 MiB) anew
     assert row["peak_rss_mib"] > 4
+
+
+def test_fsdp_units_group_the_blocks_and_leave_the_model_as_it_computes():
+    """`--unit-blocks 2` of five blocks: units of 2, 2 and 1, the same parameters in the same
+    order, the same output; 1 leaves the model as it is; below 1 is a one-line error."""
+    import torch
+
+    from course_lib.course.bench.ddp import make_blocks
+
+    model = make_blocks(8, 5)
+    x = torch.randn(3, 8)
+    expected = model(x)
+    grouped = bench.fsdp_units(model, 2)
+    assert [len(unit) for unit in grouped] == [2, 2, 1]
+    assert [id(p) for p in grouped.parameters()] == [id(p) for p in model.parameters()]
+    assert torch.equal(grouped(x), expected)
+    assert bench.fsdp_units(model, 1) is model
+    with pytest.raises(SystemExit, match="--unit-blocks must be at least 1, got 0"):
+        bench_cli.main(["zero", "--unit-blocks", "0", "--no-peak"])
 
 
 def test_unknown_variant_is_a_one_line_error():

@@ -3,18 +3,18 @@
 Every variant trains its own copy of the DDP benchmark's block model with Adam (fp32) on gloo, in
 the same processes, interleaved iteration by iteration (in a balanced order:
 `common.balanced_order`), so the machine's noise hits all of them alike (processes that keep the
-memory a step frees: `common.timing_process`). ZeRO-3 wraps each block, ours and FSDP2 alike, and,
-as torchtitan does, lets the last one keep its parameters from forward to backward, which gathers
-them at once again. Per variant: median step time of the slowest rank and its ratio to our DDP and
-to torch's counterpart; bytes of parameters, gradients and optimizer state per rank, measured from
-the tensors' storages and by the closed form; and, in a separate run per variant (peak resident
-memory is a high-water mark, so it needs a process of its own), the peak RSS growth of a rank over
-building the variant and training a few steps (the high-water mark reset to the current RSS first).
-The roofline of each step (`course_lib.course.bench.roofline`): model FLOPs per rank (6 x linear
-parameters x samples; no attention in this model), achieved FLOP/s against the matmul peak measured
-on every rank at once in the same run, MFU, and the share of the step not spent computing (1 -
-compute / step, compute timed on a local copy of the model: forward and backward, and Adam on the
-parameters this rank updates).
+memory a step frees: `common.timing_process`). ZeRO-3 wraps each block (or `--unit-blocks` of
+them), ours and FSDP2 alike, and, as torchtitan does, lets the last one keep its parameters from
+forward to backward, which gathers them at once again. Per variant: median step time of the slowest
+rank and its ratio to our DDP and to torch's counterpart; bytes of parameters, gradients and
+optimizer state per rank, measured from the tensors' storages and by the closed form; and, in a
+separate run per variant (peak resident memory is a high-water mark, so it needs a process of its
+own), the peak RSS growth of a rank over building the variant and training a few steps (the
+high-water mark reset to the current RSS first). The roofline of each step
+(`course_lib.course.bench.roofline`): model FLOPs per rank (6 x linear parameters x samples; no
+attention in this model), achieved FLOP/s against the matmul peak measured on every rank at once in
+the same run, MFU, and the share of the step not spent computing (1 - compute / step, compute timed
+on a local copy of the model: forward and backward, and Adam on the parameters this rank updates).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--unit-blocks", type=int, default=1,
+                   help="blocks per ZeRO-3 unit, ours and FSDP2's alike (the last takes the rest)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -58,6 +60,19 @@ def formula_bytes(variant: str, params: int, world: int) -> float:
     stage = {"ddp": 0, "torch_ddp": 0, "zero1": 1, "torch_zero": 1, "zero2": 2, "zero3": 3,
              "torch_fsdp2": 3}[variant]
     return {0: 16 * P, 1: 8 * P + 8 * P / N, 2: 4 * P + 12 * P / N, 3: 16 * P / N}[stage]
+
+
+def fsdp_units(model: Any, per_unit: int) -> Any:
+    """`model`'s blocks, `per_unit` to a unit: a Sequential of Sequentials (the same modules and
+    parameters), each a unit for `fully_shard`. Fewer, larger units: fewer collectives per step,
+    more parameters gathered at once."""
+    from torch import nn
+
+    if per_unit == 1:
+        return model
+    blocks = list(model)
+    return nn.Sequential(*[nn.Sequential(*blocks[i:i + per_unit])
+                           for i in range(0, len(blocks), per_unit)])
 
 
 def build(variant: str, args: dict) -> tuple[Any, Any]:
@@ -74,6 +89,8 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
     if variant in ("zero1", "zero2"):
         return model, zero.ZeroRedundancyOptimizer(model.parameters(), adam,
                                                    stage=int(variant[-1]), dist=tdist, lr=1e-4)
+    if variant in ("zero3", "torch_fsdp2"):
+        model = fsdp_units(model, args.get("unit_blocks", 1))
     if variant == "zero3":
         for i, block in enumerate(model):
             zero.fully_shard(block, dist=tdist, reshard_after_forward=i < len(model) - 1)
@@ -246,7 +263,10 @@ def summarize(results: list[dict], names: list[str], args: dict,
 
 def run(args: argparse.Namespace) -> list[dict]:
     names = choose(args.variants, VARIANTS)
-    conf = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "iters", "warmup")}
+    if args.unit_blocks < 1:
+        raise SystemExit(_("--unit-blocks must be at least 1, got {n}", n=args.unit_blocks))
+    conf = {k: getattr(args, k) for k in ("hidden", "layers", "unit_blocks", "batch", "iters",
+                                          "warmup")}
     results = spawn(_measure_worker, args.world, conf, names, backend="gloo",
                     timeout=args.timeout)
     peaks = None if args.no_peak else {
