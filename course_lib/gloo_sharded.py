@@ -84,6 +84,10 @@ class ShardExchanges:
     def _rank_world(self, group: Any) -> tuple[int, int]:
         return self._dist.get_rank(group), self._dist.get_world_size(group)
 
+    def _peers(self, group: Any) -> list[int]:
+        """The group's ranks as global ranks, in group order."""
+        return [global_rank(self._dist, group, r) for r in range(self._rank_world(group)[1])]
+
     def _as_all_to_all(self, piece: torch.Tensor, world: int) -> bool:
         return (world > 1 and self.overlapped
                 and world * piece.numel() * piece.element_size() <= ALL_TO_ALL_MAX_BYTES)
@@ -98,7 +102,7 @@ class ShardExchanges:
         """Send `sends[k]` to the rank k places after this one and receive `recvs[k]` from the
         rank k places before, for k = 1 .. N-1 (index 0 unused), every pair at once."""
         rank, world = self._rank_world(group)
-        peers = [global_rank(self._dist, group, r) for r in range(world)]
+        peers = self._peers(group)
         ops = []
         for k in range(1, world):
             to, frm = peers[(rank + k) % world], peers[(rank - k) % world]
@@ -110,8 +114,7 @@ class ShardExchanges:
                 async_op: bool) -> _Exchange | None:
         """The exchange in flight (`async_op`), or None once it is done and `then()` has run."""
         def what_failed() -> str:
-            rank, world = self._rank_world(group)
-            peers = [global_rank(self._dist, group, r) for r in range(world)]
+            rank, peers = self._dist.get_rank(group), self._peers(group)
             return _("{what} on rank {rank}, exchanging with ranks {peers}", what=what,
                      rank=peers[rank], peers=[p for p in peers if p != peers[rank]])
 
