@@ -163,6 +163,38 @@ def test_processes_end_after_exception_inside_with():
     assert not alive(pids)
 
 
+def test_an_engine_that_dies_before_registering_is_named_with_its_log_at_once(monkeypatch,
+                                                                             tmp_path):
+    """Not the start's whole timeout spent waiting for engines that will never come: the error
+    comes when the first one exits, names it and shows the end of its log; nothing is left."""
+    from course_lib.cluster import launch, zygote
+
+    real, started = zygote.fork, []
+    broken = tmp_path / "e.json"
+    broken.write_text("{ not the controller's connection file")
+
+    def fork(argv, log, *args, app="engine", **kwargs):
+        if app == "engine":  # one engine of two told to register from a broken file
+            argv = [a if not a.startswith("--file=") or started else f"--file={broken}"
+                    for a in argv]
+        pid = real(argv, log, *args, app=app, **kwargs)
+        started.append(pid) if app == "engine" else None
+        return pid
+
+    monkeypatch.setattr(zygote, "fork", fork)
+    monkeypatch.setattr(launch.zygote, "fork", fork)
+    begun = time.monotonic()
+    with pytest.raises(ClusterError) as err:
+        cl.start(2, backend="none", timeout=120)
+    assert time.monotonic() - begun < 60, "waited out the start's timeout"
+    text = str(err.value)
+    assert "only 1 of 2 engines started" in text or "only 0 of 2 engines started" in text, text
+    assert f"engine 0 (pid {started[0]}) exited before it registered" in text, text
+    assert f"engine 1 (pid {started[1]}) runs" in text, text
+    assert "JSONDecodeError" in text, text  # the engine's own log says what went wrong
+    assert not alive(started)
+
+
 def test_processes_end_after_keyboard_interrupt_inside_with():
     with pytest.raises(KeyboardInterrupt):
         with cl.start(1, backend="none") as c:

@@ -88,10 +88,11 @@ class Cluster(RankedEngines):
         try:
             self._ipp = launch.ipp_cluster(self.world_size - self.joining, self.engines,
                                            self._ipp_kwargs, self.joining)
+            forked: list[tuple[int, str]] = []
             if self.engines == "local":  # forked from the zygote, torch already imported
                 self._ipp.start_controller_sync()
-                launch.fork_engines(self._ipp, self.world_size - self.joining, self.timeout,
-                                    self._procs)
+                forked = launch.fork_engines(self._ipp, self.world_size - self.joining,
+                                             self.timeout, self._procs)
             else:
                 self._ipp.start_cluster_sync()
             for proc in launch.launched(self._ipp):
@@ -99,13 +100,8 @@ class Cluster(RankedEngines):
             self._client = self._ipp.connect_client_sync()
             if self.joining:
                 print(self.join_instructions(), flush=True)
-            try:
-                self._client.wait_for_engines(self.world_size, timeout=self.timeout,
-                                              interactive=False)
-            except TimeoutError:
-                raise ClusterError(_("only {started} of {n} engines started within {limit}s",
-                                     started=len(self._client.ids), n=self.world_size,
-                                     limit=f"{self.timeout:g}")) from None
+            launch.wait_for_engines(self._ipp, self._client, self.world_size, self.timeout,
+                                    forked)
             self._assign_ranks()
             self._init_process_group()
         except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -17,9 +18,10 @@ from course_lib import backend as backends
 from course_lib.cluster import zygote
 from course_lib.cluster.errors import ClusterError
 from course_lib.i18n import _
-from course_lib.processes import ProcessSet
+from course_lib.processes import ProcessSet, running
 
 POLL_SECONDS = 0.05
+_ERROR = re.compile(r"CRITICAL|ERROR|Fatal|\w+(Error|Exception|Exit)\b")
 
 
 def check_options(n: int, backend: str, engines: str, timeout: float, run_timeout: float,
@@ -87,9 +89,10 @@ def _connection_file_ready(path: str) -> bool:
         return False
 
 
-def fork_engines(ipp: Any, n: int, timeout: float, procs: ProcessSet) -> None:
+def fork_engines(ipp: Any, n: int, timeout: float, procs: ProcessSet) -> list[tuple[int, str]]:
     """Start `n` local engines from the zygote, once the controller has written where to
-    register; each one's output goes to the profile's log folder, as ipyparallel's own."""
+    register; each one's output goes to the profile's log folder, as ipyparallel's own.
+    Returns each engine's (PID, log file)."""
     path, deadline = engine_file(ipp), time.monotonic() + timeout
     while not _connection_file_ready(path):
         if time.monotonic() > deadline or not ipp.controller.running:
@@ -99,9 +102,57 @@ def fork_engines(ipp: Any, n: int, timeout: float, procs: ProcessSet) -> None:
     os.makedirs(os.path.join(ipp.profile_dir, "log"), exist_ok=True)
     argv = [f"--file={path}", f"--profile-dir={ipp.profile_dir}",
             f"--cluster-id={ipp.cluster_id}", "--log-level=ERROR"]
+    forked = []
     for i in range(n):
         log_file = os.path.join(ipp.profile_dir, "log", f"ipengine-{ipp.cluster_id}-{i}.log")
-        procs.add(zygote.fork(argv, log_file))
+        pid = zygote.fork(argv, log_file)
+        procs.add(pid)
+        forked.append((pid, log_file))
+    return forked
+
+
+def wait_for_engines(ipp: Any, client: Any, n: int, timeout: float,
+                     forked: list[tuple[int, str]]) -> None:
+    """Return once `n` engines have registered. Else a ClusterError: at once when a forked
+    engine or the controller exits first, or after `timeout` seconds; it says how each forked
+    engine stands and the end of its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.wait_for_engines(n, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+                                    interactive=False)
+            return
+        except TimeoutError:
+            pass
+        exited = [pid for pid, _log in forked if not running(pid)]
+        controller = getattr(ipp, "controller", None)
+        gone = controller is not None and not controller.running
+        if exited or gone or time.monotonic() >= deadline:
+            break
+    what = [_("only {started} of {n} engines started within {limit}s", started=len(client.ids),
+              n=n, limit=f"{timeout:g}") if not (exited or gone) else
+            _("only {started} of {n} engines started: a process of the cluster exited first",
+              started=len(client.ids), n=n)]
+    if gone:
+        what.append(_("the controller has exited"))
+    for i, (pid, log) in enumerate(forked):
+        what.append(_("engine {i} (pid {pid}) exited before it registered", i=i, pid=pid)
+                    if pid in exited else
+                    _("engine {i} (pid {pid}) runs", i=i, pid=pid))
+        what += ["    " + line for line in _log_tail(log)]
+    raise ClusterError("\n".join(what))
+
+
+def _log_tail(path: str, lines: int = 4) -> list[str]:
+    """What a log file ends with: its last error lines (a traceback's frames say less than
+    its message), else its last lines; none if it is missing or empty."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()[-20000:].splitlines()
+    except OSError:
+        return []
+    errors = [line for line in text if _ERROR.search(line)]
+    return (errors or text)[-lines:]
 
 
 def watchdog(recorded: list) -> dict:
