@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -9,54 +10,70 @@ import pytest
 from lab_server import ROOT, running_lab
 
 pytestmark = pytest.mark.slow
+TOKEN = "course-test"
 
 
-@pytest.mark.parametrize("lang, folder, locale", [("en", "notebooks", "en"),
-                                                  ("es", "notebooks/es", "es_ES")])
-def test_lab_command_serves_every_student_notebook(lang, folder, locale):
-    """`course.py lab --lang LANG` serves that edition's notebooks with JupyterLab's own language
+@pytest.fixture(scope="module")
+def lab():
+    """`lab(flags)`: the address of `course.py lab FLAGS`, each started once for the module."""
+    with contextlib.ExitStack() as stack:
+        started: dict[tuple, str] = {}
+
+        def address(flags: list[str]) -> str:
+            if tuple(flags) not in started:
+                started[tuple(flags)] = stack.enter_context(running_lab(flags, TOKEN))
+            return started[tuple(flags)]
+
+        yield address
+
+
+@pytest.mark.parametrize("flags, folder, locale", [([], "notebooks", "en"),
+                                                   (["--lang", "es"], "notebooks/es", "es_ES")],
+                         ids=["en", "es"])
+def test_lab_command_serves_every_student_notebook(lab, flags, folder, locale):
+    """`course.py lab [--lang es]` serves that edition's notebooks with JupyterLab's own language
     pack selected (Spanish: jupyterlab-language-pack-es-ES) and its news pop-up off."""
-    token = "course-test"
-    with running_lab(["--lang", lang], token) as base:
-        def get(path: str) -> dict:
-            with urllib.request.urlopen(f"{base}{path}?token={token}", timeout=5) as r:
-                return json.load(r)
+    base = lab(flags)
 
-        listing = get("/api/contents")
-        served = sorted(item["name"] for item in listing["content"] if item["type"] == "notebook")
-        assert served == sorted(p.name for p in (ROOT / folder).glob("*.ipynb"))
-        assert "00_cluster.ipynb" in served
-        settings = get("/lab/api/settings/@jupyterlab/translation-extension:plugin")
-        assert settings["settings"]["locale"] == locale
-        news = get("/lab/api/settings/@jupyterlab/apputils-extension:notification")
-        assert news["settings"]["fetchNews"] == "false"
-        if lang == "es":  # the pack is installed and JupyterLab serves its strings
-            packs = get("/lab/api/translations")["data"]
-            assert "es_ES" in packs
-            strings = get("/lab/api/translations/es_ES")["data"]
-            assert strings["jupyterlab"]["Run"] == ["Ejecutar"]
+    def get(path: str) -> dict:
+        with urllib.request.urlopen(f"{base}{path}?token={TOKEN}", timeout=5) as r:
+            return json.load(r)
+
+    listing = get("/api/contents")
+    served = sorted(item["name"] for item in listing["content"] if item["type"] == "notebook")
+    assert served == sorted(p.name for p in (ROOT / folder).glob("*.ipynb"))
+    assert "00_cluster.ipynb" in served
+    settings = get("/lab/api/settings/@jupyterlab/translation-extension:plugin")
+    assert settings["settings"]["locale"] == locale
+    news = get("/lab/api/settings/@jupyterlab/apputils-extension:notification")
+    assert news["settings"]["fetchNews"] == "false"
+    if flags:  # Spanish: the pack is installed and JupyterLab serves its strings
+        packs = get("/lab/api/translations")["data"]
+        assert "es_ES" in packs
+        strings = get("/lab/api/translations/es_ES")["data"]
+        assert strings["jupyterlab"]["Run"] == ["Ejecutar"]
 
 
-@pytest.mark.parametrize("flags, shown", [([], False), (["--instructor"], True)])
-def test_the_learner_s_lab_has_no_instructor_interface(flags, shown):
+@pytest.mark.parametrize("flags, shown", [([], False), (["--instructor"], True)],
+                         ids=["learner", "instructor"])
+def test_the_learner_s_lab_has_no_instructor_interface(lab, flags, shown):
     """`course.py lab` hides nbgrader's Create Assignment, Formgrader and Validate (its lab
     extension disabled, its server handlers not loaded); `course.py lab --instructor` has them."""
     import urllib.error
 
-    token = "course-test"
-    with running_lab(flags, token) as base:
-        with urllib.request.urlopen(f"{base}/lab?token={token}", timeout=10) as r:
-            page = r.read().decode()
-        config = json.loads(page.split('id="jupyter-config-data" type="application/json">')[1]
-                            .split("</script>")[0])
-        disabled = config.get("disabledExtensions", [])
-        assert ("@jupyter/nbgrader" in disabled) is not shown, disabled
-        try:
-            with urllib.request.urlopen(f"{base}/formgrader?token={token}", timeout=10) as r:
-                status = r.status
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-        assert (status == 200) is shown, status
+    base = lab(flags)
+    with urllib.request.urlopen(f"{base}/lab?token={TOKEN}", timeout=10) as r:
+        page = r.read().decode()
+    config = json.loads(page.split('id="jupyter-config-data" type="application/json">')[1]
+                        .split("</script>")[0])
+    disabled = config.get("disabledExtensions", [])
+    assert ("@jupyter/nbgrader" in disabled) is not shown, disabled
+    try:
+        with urllib.request.urlopen(f"{base}/formgrader?token={TOKEN}", timeout=10) as r:
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    assert (status == 200) is shown, status
 
 
 def test_a_sigterm_to_course_py_ends_the_command_it_runs(tmp_path):
