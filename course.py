@@ -229,10 +229,12 @@ def main(argv: list[str]) -> int:
             what = ("-m", "not cluster and not slow") + (() if paths else ("tests",))
         else:
             what = ("--nbval",) + (() if paths else ("tests", "solutions"))
-        # The whole suite on two workers (the two cores CI and the budget assume); a file's tests
-        # stay on one worker, in order, so a notebook's cells and a module's fixtures stay together.
+        # The whole suite on three workers: on the two cores CI and the budget assume, two left
+        # the CPU idle 15% of the run (tests wait on processes, servers and timeouts), three
+        # keep it busy. A file's tests stay on one worker, in order, so a notebook's cells and a
+        # module's fixtures stay together.
         workers = () if paths or any(a.startswith("-n") for a in rest) else (
-            "-n", "2", "--dist", "loadfile")
+            "-n", "3", "--dist", "loadfile")
         code = run(PY, "-m", "pytest", *what, *workers, *rest, env=env)
         minutes, seconds = divmod(round(time.monotonic() - start), 60)
         print(f"course.py test: {minutes} min {seconds} s (budget on 2 cores: 15 min)", flush=True)

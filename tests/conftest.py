@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Files that take a minute or more, run first: xdist hands whole files (--dist loadfile) to
 # whichever worker is free, in collection order, so a long file collected last leaves the
-# other worker idle at the end. Notebooks first, the later (longer) lessons before the earlier.
+# other workers idle at the end. Notebooks first, the later (longer) lessons before the earlier.
 LONG_FILES = ("test_grading_batch.py", "test_browser.py", "test_train.py", "test_resume.py",
               "test_recovery.py", "test_lesson00_exercises.py", "test_zero.py", "test_cluster.py")
 
