@@ -223,6 +223,10 @@ def main(argv: list[str]) -> int:
     if command == "lab":
         return lab(rest, env)
     if command == "test":
+        # One intra-op thread in every process, as every rank has: three workers on two cores
+        # would otherwise spin against each other, and the notebooks' compared outputs (a
+        # reference computed in the kernel) were saved with one.
+        env["OMP_NUM_THREADS"] = "1"
         paths = [a for a in rest if not a.startswith("-") and Path(a.split("::")[0]).exists()]
         if "--quick" in rest:
             rest.remove("--quick")

@@ -26,9 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # do not see the other worker's live clusters; the controller's check sees them all.
         os.environ[MARKER] = f"{os.environ[MARKER]}-{worker}"
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-    # One intra-op thread in every process of the suite, as every rank has. Set before any
-    # process imports torch (this one, the zygote, the kernels it forks): with three workers on
-    # two cores, a second thread per process only spins against the others.
+    # One intra-op thread in every process of the suite, as every rank has (`course.py test`
+    # sets it too, for the notebooks alone): before any process imports torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Lesson 11c's run that learns takes minutes for a learner; under nbval, a few steps (its
     # outputs that depend on the length are not compared).
