@@ -270,6 +270,19 @@ def tied_copies_left_alone(run):
     _dp_average(run)
 
 
+def test_one_step_sends_what_the_traffic_model_says_by_group(scratch_cluster_4):
+    """Lesson 11b's table: on every rank, one training step's payload bytes per group (dp, tp,
+    pp, tied, world) are `layout_picture.traffic`'s, group for group."""
+    from course_lib.course.demos import layout_picture
+    from course_lib.train import Run, TrainConfig
+
+    for dp, tp, pp in [(2, 2, 1), (2, 1, 2), (1, 2, 2)]:
+        cfg = TrainConfig(dp=dp, tp=tp, pp=pp, batch_size=16, micro_batches=2, steps=1)
+        for r in scratch_cluster_4.run(layout_picture.measure_step, cfg, Run):
+            got = {kind: m["bytes"] for kind, m in r["measured"].items()}
+            assert got == {kind: m["bytes"] for kind, m in r["model"].items()}, ((dp, tp, pp), r)
+
+
 def test_reduce_grads_solution_and_mistakes(scratch_cluster_4):
     full("lesson11.reduce_grads", train.reduce_grads, scratch_cluster_4)
     reasons = {wrong.__name__: reason(less("lesson11.reduce_grads", wrong, scratch_cluster_4))

@@ -59,7 +59,8 @@ def measure_step(cfg: Any, run_class: type) -> dict[str, Any]:
     counted by group, and the model's (`traffic`) for the same rank."""
     counter = GroupCounter(default_dist())
     run = run_class(cfg, dist=counter)
-    counter.labels = {id(g): axis for axis, g in run.layout.groups.items()}
+    for axis, group in run.layout.groups.items():  # "dp_cp" is the dp group itself when cp = 1
+        counter.labels.setdefault(id(group), axis)
     if run.tied_group is not None:
         counter.labels[id(run.tied_group)] = "tied"
     x, y = next(run.data)
