@@ -20,6 +20,7 @@ on a local copy of the model: forward and backward, and Adam on the parameters t
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 from typing import Any, Iterable
 
@@ -75,6 +76,14 @@ def fsdp_units(model: Any, per_unit: int) -> Any:
                            for i in range(0, len(blocks), per_unit)])
 
 
+def _shard_units(model: Any, fully_shard_fn: Any) -> None:
+    """ZeRO-3's units as torchtitan wraps them, ours or FSDP2's: each block (the last keeping its
+    parameters from forward to backward), then the root."""
+    for i, block in enumerate(model):
+        fully_shard_fn(block, reshard_after_forward=i < len(model) - 1)
+    fully_shard_fn(model)
+
+
 def build(variant: str, args: dict) -> tuple[Any, Any]:
     """(model, optimizer) of one variant, on the initialized torch.distributed group."""
     import torch
@@ -92,9 +101,7 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
     if variant in ("zero3", "torch_fsdp2"):
         model = fsdp_units(model, args.get("unit_blocks", 1))
     if variant == "zero3":
-        for i, block in enumerate(model):
-            zero.fully_shard(block, dist=tdist, reshard_after_forward=i < len(model) - 1)
-        zero.fully_shard(model, dist=tdist)
+        _shard_units(model, functools.partial(zero.fully_shard, dist=tdist))
         return model, adam(model.parameters(), lr=1e-4)
     if variant == "torch_ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -109,9 +116,7 @@ def build(variant: str, args: dict) -> tuple[Any, Any]:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
-        for i, block in enumerate(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model) - 1)
-        fully_shard(model, mesh=mesh)
+        _shard_units(model, functools.partial(fully_shard, mesh=mesh))
         return model, adam(model.parameters(), lr=1e-4)
     raise ValueError(_("unknown variant {variant!r}; choose from {variants}", variant=variant,
                        variants=", ".join(VARIANTS)))
