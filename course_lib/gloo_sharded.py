@@ -11,7 +11,9 @@ Two ways, chosen by measurement (`python -m course_lib.course.bench zero --unit-
 ZeRO's buckets, which the caller waits for, and FSDP's larger units. One `all_to_all_single`,
 which the group's worker thread moves while the caller computes: for FSDP's small units, where
 point to point would cost the caller a handshake with every peer per exchange, more than the
-exchange's bytes; its staging copies lose for large buffers.
+exchange's bytes; its staging copies lose for large buffers. A rank at either end of the group
+leaves itself out of the all-to-all: its peers' pieces of the buffer are then one block, so it
+sends and receives only theirs, and at world 2 stages nothing.
 
 Sums are taken in rank order, so every rank's shard is the same sum whichever rank computes it.
 Everything else, and every group that is not gloo, goes to torch.distributed unchanged (NCCL's
@@ -92,10 +94,12 @@ class ShardExchanges:
         return (world > 1 and self.overlapped
                 and world * piece.numel() * piece.element_size() <= ALL_TO_ALL_MAX_BYTES)
 
-    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> list[Any]:
-        """Send `input`'s r-th piece to rank r and receive rank r's into `output`'s r-th, on the
-        group's worker thread."""
-        return [self._dist.all_to_all_single(output, input, group=group, async_op=True)]
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Any,
+                    sizes: list[int] | None = None) -> list[Any]:
+        """Send `input`'s r-th piece to rank r and receive rank r's into `output`'s r-th (pieces
+        of `sizes` elements, or equal ones), on the group's worker thread."""
+        return [self._dist.all_to_all_single(output, input, sizes, sizes, group=group,
+                                             async_op=True)]
 
     def _pairwise(self, sends: list[torch.Tensor], recvs: list[torch.Tensor],
                   group: Any) -> list[Any]:
@@ -134,9 +138,17 @@ class ShardExchanges:
         _check_shapes("reduce_scatter", input_list, output, world)
         if self._as_all_to_all(output, world):
             send = _as_one(input_list)
-            send = send if send is not None else torch.stack(list(input_list))
-            got = output.new_empty((world, *output.shape))  # got[r]: from rank r
-            works = self._all_to_all(got, send, group)
+            if send is not None and _at_an_end(rank, world) and output.numel():
+                m = output.numel()
+                got_flat = output.new_empty((world - 1) * m)
+                works = self._all_to_all(got_flat, _others(send.view(-1), rank, world, m),
+                                         group, _sizes_to_peers(rank, world, m))
+                got = list(got_flat.view(world - 1, *output.shape).unbind(0))
+                got.insert(rank, None)  # got[r]: from rank r
+            else:
+                send = send if send is not None else torch.stack(list(input_list))
+                got = output.new_empty((world, *output.shape))  # got[r]: from rank r
+                works = self._all_to_all(got, send, group)
         else:
             sends = [input_list[(rank + k) % world].contiguous() for k in range(world)]
             recvs = [output, *(torch.empty_like(output) for _ in range(1, world))]  # [0]: unused
@@ -164,8 +176,17 @@ class ShardExchanges:
         if self._as_all_to_all(tensor, world):
             together = _as_one(tensor_list)  # the pieces land in place when they are one buffer
             into = together if together is not None else tensor.new_empty((world, *tensor.shape))
-            mine = tensor.unsqueeze(0).expand(world, *tensor.shape).contiguous()  # one per rank
-            works = self._all_to_all(into, mine, group)
+            m = tensor.numel()
+            if _at_an_end(rank, world) and m:
+                mine = tensor.reshape(-1)
+                if world > 2:  # one per peer
+                    mine = mine.unsqueeze(0).expand(world - 1, m).reshape(-1)
+                works = self._all_to_all(_others(into.view(-1), rank, world, m), mine, group,
+                                         _sizes_to_peers(rank, world, m))
+                into[rank].copy_(tensor)  # while the peers' pieces travel
+            else:
+                mine = tensor.unsqueeze(0).expand(world, *tensor.shape).contiguous()  # one each
+                works = self._all_to_all(into, mine, group)
 
             def place() -> None:  # the all-to-all put the own piece in place too
                 if together is None:
@@ -196,6 +217,22 @@ def _check_shapes(what: str, pieces: Sequence[torch.Tensor], one: torch.Tensor,
     if len(pieces) != world or any(t.shape != one.shape for t in pieces):
         raise ValueError(_(_SHAPES[what], n=len(pieces), shapes=[tuple(t.shape) for t in pieces],
                            world=world, shape=tuple(one.shape)))
+
+
+def _at_an_end(rank: int, world: int) -> bool:
+    """Whether the peers' pieces of a flat buffer are one block beside this rank's own."""
+    return rank in (0, world - 1)
+
+
+def _others(flat: torch.Tensor, rank: int, world: int, m: int) -> torch.Tensor:
+    """The block of a flat buffer of `world` pieces of `m` elements that is not the piece of
+    `rank`, at either end."""
+    return flat[m:] if rank == 0 else flat[:(world - 1) * m]
+
+
+def _sizes_to_peers(rank: int, world: int, m: int) -> list[int]:
+    """all_to_all_single's split sizes that leave this rank out: `m` to or from each peer."""
+    return [0 if r == rank else m for r in range(world)]
 
 
 def _as_one(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
