@@ -14,8 +14,10 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import contextlib
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -114,48 +116,77 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     addresses: dict[int, Any] = {}
-    try:
-        for p in procs:
-            p.start()
-        while len(results) + len(failures) < world_size:
-            try:
-                kind, rank, payload = to_parent.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    for r in range(world_size):
-                        if r not in results and r not in failures:
-                            what = fn.__name__ if ready == world_size else "start-up"
-                            failures[r] = f"timed out after {timeout:g}s in {what}"
-                    break
-                for r, p in enumerate(procs):
-                    if r not in results and r not in failures and p.exitcode not in (None, 0):
-                        failures[r] = _died(p, fault_paths[r])
-                continue
-            if kind == "ready":
-                ready += 1
-                if ready == world_size:
-                    deadline = time.monotonic() + timeout + GRACE
-            elif kind == "addr":
-                addresses[rank] = payload
-                if len(addresses) == world_size:
-                    init_kwargs = backends.rendezvous(backend, [addresses[r]
-                                                                for r in range(world_size)])
-                    for inbox in inboxes:
-                        inbox.put(init_kwargs)
-            elif kind == "ok":
-                results[rank] = payload
-            else:
-                failures[rank] = payload
-    finally:
-        for inbox in inboxes:
-            inbox.put("done")
-        _end_processes(procs)
-        shutil.rmtree(faults, ignore_errors=True)
+    with _unwound_by_sigterm():  # a terminated caller still ends its ranks
+        try:
+            for p in procs:
+                p.start()
+            while len(results) + len(failures) < world_size:
+                try:
+                    kind, rank, payload = to_parent.get(timeout=0.2)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        for r in range(world_size):
+                            if r not in results and r not in failures:
+                                what = fn.__name__ if ready == world_size else "start-up"
+                                failures[r] = f"timed out after {timeout:g}s in {what}"
+                        break
+                    for r, p in enumerate(procs):
+                        if r not in results and r not in failures and p.exitcode not in (None, 0):
+                            failures[r] = _died(p, fault_paths[r])
+                    continue
+                if kind == "ready":
+                    ready += 1
+                    if ready == world_size:
+                        deadline = time.monotonic() + timeout + GRACE
+                elif kind == "addr":
+                    addresses[rank] = payload
+                    if len(addresses) == world_size:
+                        init_kwargs = backends.rendezvous(backend, [addresses[r]
+                                                                    for r in range(world_size)])
+                        for inbox in inboxes:
+                            inbox.put(init_kwargs)
+                elif kind == "ok":
+                    results[rank] = payload
+                else:
+                    failures[rank] = payload
+        finally:
+            for inbox in inboxes:
+                inbox.put("done")
+            _end_processes(procs)
+            shutil.rmtree(faults, ignore_errors=True)
     if failures:
         raise SpawnError(f"spawn({fn.__name__}, world_size={world_size}, backend={backend!r})",
                          failures, signals={r: -p.exitcode for r, p in enumerate(procs)
                                             if r in failures and (p.exitcode or 0) < 0})
     return [results[r] for r in range(world_size)]
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while `spawn` ran: unwinds it, as KeyboardInterrupt does for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _unwound_by_sigterm():
+    """Let a SIGTERM unwind the block (its cleanup ends the ranks by PID and removes their
+    files), then end this process by SIGTERM, as the signal would have. A handler the program
+    set itself, or a thread other than the main one (which cannot take signals), is left as is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise  # only if the signal is blocked
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _died(proc: Any, fault_path: str, limit: int = 4000) -> str:

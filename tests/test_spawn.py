@@ -1,0 +1,61 @@
+"""course_lib.spawn ends its ranks by PID on every path, here the one where its caller is
+terminated: the caller's SIGTERM unwinds spawn, which ends the ranks and removes its files, and
+the caller still ends by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from course_lib.processes import end_processes, record, running
+
+ROOT = Path(__file__).resolve().parent.parent
+CALLER = """
+import os, sys, time
+from course_lib.spawn import spawn
+
+def sleeper(rank, world, outdir):
+    path = os.path.join(outdir, f"rank{rank}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole or absent
+    time.sleep(300)
+
+if __name__ == "__main__":
+    spawn(sleeper, 2, sys.argv[1], timeout=600)
+"""
+
+
+def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    (tmp_path / "caller.py").write_text(CALLER)
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT))
+    caller = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while not all(p.exists() for p in pid_files):
+            assert caller.poll() is None, caller.stderr.read().decode()
+            assert time.monotonic() < deadline, "the ranks did not start within 90 s"
+            time.sleep(0.1)
+        ranks = [int(p.read_text()) for p in pid_files]
+        started = [entry for pid in ranks for entry in record(pid)]
+        assert len(list(scratch.glob("course-spawn-*"))) == 1  # the ranks' fault files
+        caller.send_signal(signal.SIGTERM)
+        assert caller.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if caller.poll() is None:  # failed before the signal: end the caller and its ranks
+            end_processes(record(caller.pid))
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in ranks if running(pid)]
+    end_processes(started, reap=False)  # whatever the outcome, none outlives the test
+    assert left == [], "ranks still running 10 s after their caller was terminated"
+    assert list(scratch.glob("course-spawn-*")) == []
