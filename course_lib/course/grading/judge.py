@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from course_lib.course.grading import plain
 from course_lib.course.catalogue import REFERENCES, Case, Exercise, substitute
@@ -85,12 +85,13 @@ def expected(ex: Exercise, c: Case, rank: int | None = None, world: int | None =
     return released_expected(ex, c, rank, world)
 
 
-def expected_values(ex: Exercise) -> dict:
-    """Every expected value of an exercise, as `released_expected` reads them back."""
+def expected_values(ex: Exercise, cases: Sequence[Case] | None = None) -> dict:
+    """Every expected value of an exercise (of `cases`, by default all of them), as
+    `released_expected` reads them back."""
     world = ex.world_size if ex.distributed else None
     ranks = range(world) if world else [None]
     return {"world": world, "cases": [{r: expected(ex, c, r, world) for r in ranks}
-                                      for c in ex.cases]}
+                                      for c in (ex.cases if cases is None else cases)]}
 
 
 def _outcome_row(rank: Any, out: dict, want: Any, ex: Exercise, limit: float,
