@@ -112,7 +112,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
              for r in range(world_size)]
     # Start-up (imports, rendezvous) gets its own allowance; `timeout` counts once all are ready.
     deadline = time.monotonic() + STARTUP_TIMEOUT + timeout
-    ready = 0
+    ready, grace = 0, 5.0
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     addresses: dict[int, Any] = {}
@@ -149,10 +149,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                     results[rank] = payload
                 else:
                     failures[rank] = payload
+        except BaseException:
+            grace = 0.0  # interrupted: the ranks are still running `fn`, none will exit itself
+            raise
         finally:
             for inbox in inboxes:
                 inbox.put("done")
-            _end_processes(procs)
+            _end_processes(procs, grace)
             shutil.rmtree(faults, ignore_errors=True)
     if failures:
         raise SpawnError(f"spawn({fn.__name__}, world_size={world_size}, backend={backend!r})",
