@@ -195,6 +195,59 @@ def test_an_engine_that_dies_before_registering_is_named_with_its_log_at_once(mo
     assert not alive(started)
 
 
+@pytest.mark.parametrize("broken", [1, 2])
+def test_a_controller_that_lost_a_port_is_replaced_once(monkeypatch, broken):
+    """ipyparallel's controller frees the ports it picks before its children bind them; if
+    another process takes one, that child dies and the controller runs on without it. Here
+    the heartbeat child is killed instead, as if its port had been taken: the engines register
+    and are never heard, the start finds the port unheard and starts over once with a new
+    controller; a second loss is an error that names the ports, and nothing is left."""
+    import json
+
+    from course_lib.cluster import launch
+
+    real, controllers = launch.fork_engines, []
+
+    def lose_the_heartbeat(ipp, *args, **kwargs):
+        root = ipp.controller.process
+        controllers.append(root.pid)
+        if len(controllers) <= broken:
+            deadline = time.monotonic() + 30
+            while not launch._connection_file_ready(launch.engine_file(ipp)):
+                assert time.monotonic() < deadline, "no connection file"
+                time.sleep(0.05)
+            with open(launch.engine_file(ipp), encoding="utf-8") as f:
+                hb = json.load(f)["hb_ping"]
+
+            def heart():
+                return [p for p in root.children(recursive=True) if hb in launch._listening(p)]
+
+            deadline = time.monotonic() + 30
+            while not heart() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert heart(), "the controller's heartbeat never listened"
+            for p in heart():
+                p.kill()
+        return real(ipp, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "fork_engines", lose_the_heartbeat)
+    monkeypatch.setattr(launch, "STALLED_SECONDS", 2.0)
+    begun = time.monotonic()
+    if broken == 1:
+        with cl.start(2, backend="none") as c:
+            assert c.run(fail_on, []) == [0, 1]  # every rank answers
+            pids = [pid for pid, _ in c._procs]
+        assert len(controllers) == 2 and not alive(controllers[:1])
+    else:
+        with pytest.raises(launch.ControllerPortsTaken) as err:
+            cl.start(2, backend="none")
+        assert "does not listen on ports [" in str(err.value), err.value
+        assert len(controllers) == 2
+        pids = controllers
+    assert time.monotonic() - begun < 30, "waited for the engines to give up (37 s)"
+    assert not alive(pids)
+
+
 def test_processes_end_after_keyboard_interrupt_inside_with():
     with pytest.raises(KeyboardInterrupt):
         with cl.start(1, backend="none") as c:

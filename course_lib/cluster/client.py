@@ -83,6 +83,12 @@ class Cluster(RankedEngines):
     # -- life cycle ---------------------------------------------------------------------
 
     def _start(self) -> None:
+        try:
+            self._start_once()
+        except launch.ControllerPortsTaken:  # a race with another process: new ports, once
+            self._start_once()
+
+    def _start_once(self) -> None:
         self._stopped = False
         _LIVE.add(self)
         try:

@@ -21,6 +21,7 @@ from course_lib.i18n import _
 from course_lib.processes import ProcessSet, running
 
 POLL_SECONDS = 0.05
+STALLED_SECONDS = 8.0  # engines not all registered by then: check the controller's ports
 _ERROR = re.compile(r"CRITICAL|ERROR|Fatal|\w+(Error|Exception|Exit)\b")
 
 
@@ -75,9 +76,58 @@ def ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any
                           "controller_args": kwargs["controller_args"] + extra})
 
 
-def engine_file(ipp: Any) -> str:
-    """The engine connection file the controller writes (its addresses and key)."""
-    return os.path.join(ipp.profile_dir, "security", f"ipcontroller-{ipp.cluster_id}-engine.json")
+def engine_file(ipp: Any, kind: str = "engine") -> str:
+    """The connection file the controller writes for its engines (or `kind="client"`, its
+    clients): its addresses and key."""
+    return os.path.join(ipp.profile_dir, "security",
+                        f"ipcontroller-{ipp.cluster_id}-{kind}.json")
+
+
+class ControllerPortsTaken(ClusterError):
+    """The controller does not listen on every port its connection files name."""
+
+
+def check_controller_ports(ipp: Any) -> None:
+    """ControllerPortsTaken unless the controller's processes listen on every port its
+    connection files give engines and clients. ipyparallel picks those ports free, frees them
+    and binds them later, most in child processes: another process can take one in between,
+    and that child then dies while the controller runs on, so engines register and are never
+    heard (they give up 37 s later) or never given work."""
+    root = getattr(getattr(ipp, "controller", None), "process", None)
+    if not isinstance(root, psutil.Process):  # not a local process: nothing to look at
+        return
+    wanted = _ports(engine_file(ipp)) | _ports(engine_file(ipp, "client"))
+    missing = wanted - _listening(root)
+    if missing:
+        raise ControllerPortsTaken(_(
+            "the controller does not listen on ports {ports} that it gave its engines and "
+            "clients: another process took them, or a process of the controller failed",
+            ports=sorted(missing)))
+
+
+def _ports(path: str) -> set[int]:
+    """The TCP ports a connection file names (registration, hb_ping, broadcast, ...)."""
+    with open(path, encoding="utf-8") as f:
+        info = json.load(f)
+    values = [v for value in info.values()
+              for v in (value if isinstance(value, list) else [value])]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _listening(root: psutil.Process) -> set[int]:
+    """The TCP ports that `root` or one of its descendants listens on."""
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return set()
+    ports = set()
+    for proc in procs:
+        try:
+            ports |= {c.laddr.port for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass
+    return ports
 
 
 def _connection_file_ready(path: str) -> bool:
@@ -116,7 +166,8 @@ def wait_for_engines(ipp: Any, client: Any, n: int, timeout: float,
     """Return once `n` engines have registered. Else a ClusterError: at once when a forked
     engine or the controller exits first, or after `timeout` seconds; it says how each forked
     engine stands and the end of its log."""
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     while True:
         try:
             client.wait_for_engines(n, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
@@ -124,6 +175,8 @@ def wait_for_engines(ipp: Any, client: Any, n: int, timeout: float,
             return
         except TimeoutError:
             pass
+        if time.monotonic() - began > STALLED_SECONDS:  # a start takes 1-2 s: a lost port?
+            check_controller_ports(ipp)
         exited = [pid for pid, _log in forked if not running(pid)]
         controller = getattr(ipp, "controller", None)
         gone = controller is not None and not controller.running
