@@ -165,7 +165,8 @@ def wait_for_engines(ipp: Any, client: Any, n: int, timeout: float,
                      forked: list[tuple[int, str]]) -> None:
     """Return once `n` engines have registered. Else a ClusterError: at once when a forked
     engine or the controller exits first, or after `timeout` seconds; it says how each forked
-    engine stands and the end of its log."""
+    engine stands and the end of its log. A start stalled past STALLED_SECONDS with the
+    controller not listening where it said: ControllerPortsTaken (`check_controller_ports`)."""
     began = time.monotonic()
     deadline = began + timeout
     while True:
