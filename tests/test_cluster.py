@@ -213,10 +213,10 @@ def test_a_controller_that_lost_a_port_is_replaced_once(monkeypatch, broken):
         controllers.append(root.pid)
         if len(controllers) <= broken:
             deadline = time.monotonic() + 30
-            while not launch._connection_file_ready(launch.engine_file(ipp)):
+            while not launch._connection_file_ready(launch.connection_file(ipp)):
                 assert time.monotonic() < deadline, "no connection file"
                 time.sleep(0.05)
-            with open(launch.engine_file(ipp), encoding="utf-8") as f:
+            with open(launch.connection_file(ipp), encoding="utf-8") as f:
                 hb = json.load(f)["hb_ping"]
 
             def heart():

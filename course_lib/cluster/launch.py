@@ -76,9 +76,9 @@ def ipp_cluster(n: int, engines: str, ipp_kwargs: dict, joining: int = 0) -> Any
                           "controller_args": kwargs["controller_args"] + extra})
 
 
-def engine_file(ipp: Any, kind: str = "engine") -> str:
-    """The connection file the controller writes for its engines (or `kind="client"`, its
-    clients): its addresses and key."""
+def connection_file(ipp: Any, kind: str = "engine") -> str:
+    """The connection file the controller writes for its engines, or for its clients
+    (`kind="client"`): its addresses and key."""
     return os.path.join(ipp.profile_dir, "security",
                         f"ipcontroller-{ipp.cluster_id}-{kind}.json")
 
@@ -96,7 +96,7 @@ def check_controller_ports(ipp: Any) -> None:
     root = getattr(getattr(ipp, "controller", None), "process", None)
     if not isinstance(root, psutil.Process):  # not a local process: nothing to look at
         return
-    wanted = _ports(engine_file(ipp)) | _ports(engine_file(ipp, "client"))
+    wanted = _ports(connection_file(ipp)) | _ports(connection_file(ipp, "client"))
     missing = wanted - _listening(root)
     if missing:
         raise ControllerPortsTaken(_(
@@ -143,7 +143,7 @@ def fork_engines(ipp: Any, n: int, timeout: float, procs: ProcessSet) -> list[tu
     """Start `n` local engines from the zygote, once the controller has written where to
     register; each one's output goes to the profile's log folder, as ipyparallel's own.
     Returns each engine's (PID, log file)."""
-    path, deadline = engine_file(ipp), time.monotonic() + timeout
+    path, deadline = connection_file(ipp), time.monotonic() + timeout
     while not _connection_file_ready(path):
         if time.monotonic() > deadline or not ipp.controller.running:
             raise ClusterError(_("the controller did not start within {limit}s",
@@ -176,13 +176,13 @@ def wait_for_engines(ipp: Any, client: Any, n: int, timeout: float,
             return
         except TimeoutError:
             pass
-        if time.monotonic() - began > STALLED_SECONDS:  # a start takes 1-2 s: a lost port?
-            check_controller_ports(ipp)
         exited = [pid for pid, _log in forked if not running(pid)]
         controller = getattr(ipp, "controller", None)
         gone = controller is not None and not controller.running
         if exited or gone or time.monotonic() >= deadline:
             break
+        if time.monotonic() - began > STALLED_SECONDS:  # a start takes 1-2 s: a lost port?
+            check_controller_ports(ipp)
     what = [_("only {started} of {n} engines started within {limit}s", started=len(client.ids),
               n=n, limit=f"{timeout:g}") if not (exited or gone) else
             _("only {started} of {n} engines started: a process of the cluster exited first",

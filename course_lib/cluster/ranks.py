@@ -67,7 +67,7 @@ class RankedEngines:
         return _("waiting {limit}s for {k} engine(s) from other machines: copy {path} to each "
                  "(scp: it holds the cluster's key) and run there: python3 course.py engines "
                  "COUNT --file ipcontroller-engine.json", limit=f"{self.timeout:g}",
-                 k=self.joining, path=launch.engine_file(self._ipp))
+                 k=self.joining, path=launch.connection_file(self._ipp))
 
     def _location(self) -> str | None:
         """The controller's address as other hosts see it; None when every engine is local
