@@ -90,9 +90,12 @@ class Ledger:
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
+        self._remove(None if self.scratch is None else str(self.scratch))
+
+    def _remove(self, scratch: object) -> None:
+        """Remove the ledger and the scratch folder it recorded (`_remove_scratch`)."""
+        _remove_scratch(scratch)
         self.path.unlink(missing_ok=True)
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def end_leftovers(self) -> list[int]:
         """End every process that still runs with an earlier run's token, and remove its
@@ -110,8 +113,7 @@ class Ledger:
             except psutil.Error:
                 pass
         end_processes(ours, grace=2.0, reap=False)
-        _remove_scratch(earlier.get("scratch"))
-        self.path.unlink(missing_ok=True)
+        self._remove(earlier.get("scratch"))
         return [pid for pid, _ in ours]
 
 
