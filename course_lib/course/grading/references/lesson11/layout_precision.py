@@ -149,7 +149,8 @@ def explain_precision_forward(case, rank, expected, got) -> str | None:
     precision = case.args[0]
     if got["parameter dtypes"] != ["torch.float32"]:
         return _("the module's parameters are now {dtypes}: its fp32 weights are the masters "
-                 "the optimizer updates; cast each op's inputs as it runs, never the module",
+                 "the optimizer updates, and they stay float32 while the computation runs "
+                 "in lower precision",
                  dtypes=", ".join(got["parameter dtypes"]))
     if got["output dtype"] != "torch.float32":
         return _("the output is {dtype}: the loss and the next stage must get float32",

@@ -81,11 +81,12 @@ def explain_reduce_grads(case, rank, expected, got) -> str | None:
         own = _dp_mean(name, coords, dp, pp)
         if _close(have, total / 2):
             return _("rank {rank}'s copy of the tied embedding holds the average of the two "
-                     "copies' gradients: each copy has the gradient of one use, and one process "
-                     "adds the two uses; sum them", rank=rank)
+                     "copies' gradients: each copy has the gradient of one use, and one process's "
+                     "gradient holds both uses whole", rank=rank)
         if _close(have, own) or _close(have, ex.grad_value(name, coords, pp)):
             return _("rank {rank}'s copy of the tied embedding ({name}) has only its own use's "
-                     "gradient: sum it with the other end's copy, on ranks {ends}", rank=rank,
+                     "gradient; one process's also holds the other use's, whose copy is on ranks "
+                     "{ends}", rank=rank,
                      name=name, ends=[(coords["dp"] * tp + coords["tp"]),
                                       ((pp - 1) * dp + coords["dp"]) * tp + coords["tp"]])
         if dp > 1 and _close(have, total * dp):
@@ -125,8 +126,8 @@ def explain_unscale_grads(case, rank, expected, got) -> str | None:
         for have, right in zip(grads, want):
             if isinstance(have, torch.Tensor) and isinstance(right, torch.Tensor):
                 if _close(have, right * scale):
-                    return _("the gradients are still scaled: divide each by the scale "
-                             "({scale:g})", scale=scale)
+                    return _("the gradients are still scaled: each is {scale:g} times the "
+                             "one-process gradient", scale=scale)
                 if _close(have, right / scale):
                     return _("the gradients are divided by the scale twice: {scale:g} times "
                              "too small", scale=scale)
