@@ -168,8 +168,8 @@ def gpipe_order(n_microbatches: int, num_stages: int, stage_index: int) -> list[
 # %% solutions/07c_pipeline_schedules.ipynb, cell 17
 def one_f_one_b_order(n_microbatches: int, num_stages: int,
                       stage_index: int) -> list[tuple[str, int]]:
-    """1F1B: warm up with (p - 1 - stage) forwards, then alternate one forward and one backward,
-    then drain the remaining backwards."""
+    """1F1B: warm up with forwards, then alternate one forward and one backward (the oldest
+    stored), then drain the remaining backwards."""
     m = n_microbatches
     warmup = min(num_stages - 1 - stage_index, m)
     actions = [("F", i) for i in range(warmup)]
