@@ -2,10 +2,10 @@
 
 # %% solutions/12a_sequence_parallel.ipynb, cell 5
 """Sequence parallelism (Megatron-SP, lesson 12a): the regions tensor parallelism leaves whole
-(layer norms, residual adds, dropout) split along the sequence. Lesson 06's f and g become a
-conjugate pair along the sequence (dimension 1): all-gather forward / reduce-scatter backward
-before a column-parallel layer, reduce-scatter forward / all-gather backward after a row-parallel
-one. Parameters used on a sequence slice (norms, row-parallel biases) are marked
+(layer norms, residual adds, dropout) split along the sequence (dimension 1). At each edge of a
+tensor-parallel region, where lesson 06 places f and g, a conjugate pair of autograd functions
+converts between this rank's slice of the sequence and the whole sequence, forward and backward.
+Parameters used on a sequence slice (norms, row-parallel biases) are marked
 `sequence_parallel = True`; `allreduce_sequence_parallel_grads` sums their gradients over the tp
 group after backward (Megatron's `finalize_model_grads`). Dropout on the output of an SP-mode
 MLP or attention draws from each tp rank's own stream (`course_lib.rng.SHARDED`): the output is
@@ -75,8 +75,9 @@ __all__ = ["SEQ_DIM", "GatherFromSequenceParallel", "ReduceScatterToSequencePara
 
 # %% solutions/12a_sequence_parallel.ipynb, cell 7
 class GatherFromSequenceParallel(torch.autograd.Function):
-    """All-gather the sequence forward; backward, each rank's gradient of the whole sequence is
-    partial (what follows is tensor-parallel): the sum over ranks, this rank's slice."""
+    """f', before a column-parallel layer: forward, this rank's slice of the sequence -> the whole
+    sequence; backward, each rank's gradient of the whole sequence is partial (what follows is
+    tensor-parallel), and this rank's input was its slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dist: Any, group: Any, dim: int) -> torch.Tensor:
@@ -89,8 +90,9 @@ class GatherFromSequenceParallel(torch.autograd.Function):
 
 
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Sum the ranks' partial results and keep this rank's slice of the sequence forward;
-    all-gather the gradient backward (g's conjugate in SP)."""
+    """g', after a row-parallel layer (g's conjugate in SP): forward, the sum of the ranks'
+    partial results, this rank's slice of the sequence; backward, the gradient of that slice ->
+    the gradient of the whole input."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dist: Any, group: Any, dim: int) -> torch.Tensor:
@@ -105,9 +107,9 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 def gather_from_sequence_parallel(x: torch.Tensor, dist: Any = None, group: Any = None,
                                   dim: int = SEQ_DIM, *,
                                   tensor_parallel_output_grad: bool = True) -> torch.Tensor:
-    """The whole sequence from every rank's slice (gradient: reduce-scattered; with
-    `tensor_parallel_output_grad=False`, what follows is computed whole on every rank and the
-    gradient is only sliced: `GatherToWholeSequence`)."""
+    """The whole sequence from every rank's slice (with `tensor_parallel_output_grad=False`,
+    what follows is computed whole on every rank and the gradient is only sliced:
+    `GatherToWholeSequence`)."""
     if not tensor_parallel_output_grad:
         return GatherToWholeSequence.apply(x, default_dist(dist), group, dim)
     return GatherFromSequenceParallel.apply(x, default_dist(dist), group, dim)
@@ -115,7 +117,7 @@ def gather_from_sequence_parallel(x: torch.Tensor, dist: Any = None, group: Any 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, dist: Any = None, group: Any = None,
                                         dim: int = SEQ_DIM) -> torch.Tensor:
-    """This rank's slice of the sequence of the sum of the ranks' `x` (gradient: all-gathered)."""
+    """This rank's slice of the sequence of the sum of the ranks' `x`."""
     return ReduceScatterToSequenceParallel.apply(x, default_dist(dist), group, dim)
 
 
