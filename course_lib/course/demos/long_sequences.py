@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.backend import default_dist
+from course_lib.i18n import N_, _
 
 __all__ = ["saved_bytes", "block_activation_bytes", "tp_block_sent_bytes", "ring_block_bytes",
            "ring_messages", "causal_work", "imbalance", "first_ranks", "tensor_parallel_block",
@@ -28,6 +29,8 @@ __all__ = ["saved_bytes", "block_activation_bytes", "tp_block_sent_bytes", "ring
 
 B, S, H, HEADS = 2, 12, 24, 12  # the proofs' block: S and HEADS divide by 2, 3 and 4
 MODES = ("tp", "sp", "sp keeping the gathered input")
+LABELS = {"one process": N_("one process"),  # how the notebook prints them
+          "sp keeping the gathered input": N_("sp keeping the gathered input")}
 SP_PARAMS = ["attn.out_proj.bias", "ln_1.bias", "ln_1.weight", "ln_2.bias", "ln_2.weight",
              "mlp.fc2.bias"]
 
@@ -226,19 +229,19 @@ def sp_block_against_one_process(tp: int) -> dict | None:
 
 def sp_memory_and_bytes(tp: int, s: int) -> dict | None:
     """{mode: (saved bytes, the formula's, bytes sent)} for one block of h = 24 on the first
-    `tp` ranks (one process when tp = 1)."""
+    `tp` ranks (one process when tp = 1); each mode named in the learner's language."""
     dist, group, member = first_ranks(tp)
     if not member:
         return None
     if tp == 1:
         saved = sp_modes(1, dist, group, 0, s=s, modes=())["one process"]["bytes"]
-        return {"one process": (saved, block_activation_bytes(B, s, H, HEADS, element_size=8),
-                                0)}
+        return {_(LABELS["one process"]): (
+            saved, block_activation_bytes(B, s, H, HEADS, element_size=8), 0)}
     r = sp_modes(tp, dist, group, dist.get_rank(group), s=s)
     out = {}
     for mode in MODES:
         on, keep = mode != "tp", mode.endswith("gathered input")
-        out[mode] = (r[mode]["bytes"], block_activation_bytes(
+        out[_(LABELS.get(mode, mode))] = (r[mode]["bytes"], block_activation_bytes(
             B, s, H, HEADS, tp=tp, sp=on, save_gathered_input=keep, element_size=8),
             r[mode]["sent"])
     return out
