@@ -362,7 +362,7 @@ def test_make_buckets_solution_and_mistakes():
     from course_lib.data_parallel import make_buckets
 
     full("lesson04.make_buckets", make_buckets)
-    for wrong, why in ((forward_order, "walk the parameters in reverse"),
+    for wrong, why in ((forward_order, "not in reverse order"),
                        (closes_before_reaching, "before reaching its cap"),
                        (mixes_dtypes, "mixes dtypes"),
                        (no_small_first_bucket, "the first bucket's cap is first_bucket_cap_mb")):

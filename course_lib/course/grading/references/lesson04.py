@@ -38,8 +38,8 @@ def explain_broadcast(case, rank, expected, got) -> str | None:
     tensors = got.get("tensors", [])
     for i, (t, e) in enumerate(zip(tensors, expected["tensors"])):
         if isinstance(t, torch.Tensor) and t.dtype != e.dtype:
-            return _("tensor {i} came back as {got}, it is {dtype}: a flat buffer of one "
-                     "dtype per group keeps every tensor's dtype", i=i,
+            return _("tensor {i} came back as {got}, but it is {dtype}: every tensor must "
+                     "keep its own dtype through the broadcast", i=i,
                      got=t.dtype, dtype=e.dtype)
     if not all(_close(t, e) for t, e in zip(tensors, expected["tensors"])):
         for r in range(k):
@@ -80,7 +80,7 @@ def explain_averaged(case, rank, expected, got) -> str | None:
     if len(grads) == len(want) and not all(_close(g, e) for g, e in zip(grads, want)):
         if all(_close(g, e * k) for g, e in zip(grads, want)):
             return _("each gradient is the sum over the {k} ranks, not their average: "
-                     "all_reduce adds, and the division is yours", k=k)
+                     "all_reduce adds", k=k)
         own = [grad_of(rank, tuple(s), i) for i, s in enumerate(shapes)]
         if all(_close(g, o) for g, o in zip(grads, own)):
             return _(".grad still holds this rank's own gradient: the averages never "
@@ -133,7 +133,7 @@ def _nbytes(sizes: list, bucket: list) -> int:
 def explain_buckets(case, rank, expected, got) -> str | None:
     sizes, cap_mb, first_mb = case.args
     if expected == "raises ValueError":
-        return _("bucket_cap_mb={cap} cannot hold anything: refuse it with a ValueError",
+        return _("bucket_cap_mb={cap} cannot hold anything, and a ValueError was expected",
                  cap=cap_mb)
     if got == "raises ValueError":
         return _("raised ValueError for caps that are valid")
@@ -144,7 +144,8 @@ def explain_buckets(case, rank, expected, got) -> str | None:
             return _("bucket {n} mixes dtypes: one flat buffer holds one dtype", n=n)
     if got and got[0] and 0 in got[0] and len(sizes) > 1:
         return _("the first bucket holds the first parameter registered, whose gradient backward "
-                 "produces last: walk the parameters in reverse")
+                 "produces last: it could start only once backward is over, and the parameters "
+                 "are not in reverse order")
     for n, bucket in enumerate(got[:-1]):
         cap = (first_mb if n == 0 and first_mb is not None else cap_mb) * MiB
         if _nbytes(sizes, bucket) < cap and (n + 1 >= len(got) or sizes[got[n + 1][0]][1]
@@ -255,7 +256,7 @@ def _explain_first_grad(case, rank: int, expected: dict, got: dict) -> str | Non
     local = _local_first_grad(rank, k, spare, twice[0] if twice else "")
     if _close(g, want * k):
         return _("after backward, out.weight's gradient is the sum over the {k} ranks, not "
-                 "their average: each gradient is divided by the world size as it is staged", k=k)
+                 "their average: all_reduce adds", k=k)
     if _close(g, local / k):
         return _("after backward, out.weight's gradient is this rank's own gradient "
                  "divided by {k}: the all_reduce's sum had not landed (a bucket's result is "
@@ -351,8 +352,9 @@ def explain_ddp(case, rank, expected, got) -> str | None:
             return _("spare was used on rank 0 only, yet it got no gradient here: every "
                      "rank takes the average over the ranks")
         if w is not None and not _close(g, w):
-            return _("step {step}: spare's averaged gradient is wrong: a rank that did not "
-                     "use a parameter must send zeros for it, not what its slice held before", step=step)
+            return _("step {step}: spare's averaged gradient is wrong: a rank that did not use "
+                     "it added what its slice held before, where one process counts nothing",
+                     step=step)
     if not _close(got.get("weights"), expected["weights"]):
         return _("the weights after training differ from one process on the whole "
                  "batch: after each backward, every .grad must be the gradient averaged over "

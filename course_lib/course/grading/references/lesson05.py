@@ -176,10 +176,10 @@ def explain_no_sync(case, rank, expected, got) -> str | None:
     calls = got["all_reduce calls per step"]
     if got["require_backward_grad_sync after"] is not True:
         if scenario == "a block raised":
-            return _("syncing stays off for good after a block that raised: the way out of "
-                     "the block must restore it, however the block ends")
-        return _("syncing is still off after the blocks closed: the way out must put back "
-                 "what the block found")
+            return _("syncing stays off for good after a block that raised: it must be as the "
+                     "block found it once the block ends, however it ends")
+        return _("syncing is still off after the blocks closed: it must be as the block "
+                 "found it")
     if isinstance(calls, list) and calls and max(calls) > 1:
         if scenario == "nested":
             return _("{calls} all_reduce calls per step, one expected: leaving the inner block "
