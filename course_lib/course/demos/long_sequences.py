@@ -29,8 +29,7 @@ __all__ = ["saved_bytes", "block_activation_bytes", "tp_block_sent_bytes", "ring
 
 B, S, H, HEADS = 2, 12, 24, 12  # the proofs' block: S and HEADS divide by 2, 3 and 4
 MODES = ("tp", "sp", "sp keeping the gathered input")
-LABELS = {"one process": N_("one process"),  # how the notebook prints them
-          "sp keeping the gathered input": N_("sp keeping the gathered input")}
+LABELS = {"one process": N_("one process"), MODES[2]: N_("sp keeping the gathered input")}
 SP_PARAMS = ["attn.out_proj.bias", "ln_1.bias", "ln_1.weight", "ln_2.bias", "ln_2.weight",
              "mlp.fc2.bias"]
 
@@ -235,8 +234,8 @@ def sp_memory_and_bytes(tp: int, s: int) -> dict | None:
         return None
     if tp == 1:
         saved = sp_modes(1, dist, group, 0, s=s, modes=())["one process"]["bytes"]
-        return {_(LABELS["one process"]): (
-            saved, block_activation_bytes(B, s, H, HEADS, element_size=8), 0)}
+        model = block_activation_bytes(B, s, H, HEADS, element_size=8)
+        return {_(LABELS["one process"]): (saved, model, 0)}
     r = sp_modes(tp, dist, group, dist.get_rank(group), s=s)
     out = {}
     for mode in MODES:
@@ -396,7 +395,6 @@ def torch_ring_side_by_side(seq: int = 16) -> dict:
         local = [z.clone().requires_grad_() for z in (q, k, v)]
         ours = ctx.ring_attention(*local, causal=causal, dist=tdist)
         (ours * w).sum().backward()
-        errs["causal" if causal else "not causal"] = max(
-            [float((ours - out).abs().max())]
-            + [float((z.grad - g).abs().max()) for z, g in zip(local, grads)])
+        diffs = [ours - out] + [z.grad - g for z, g in zip(local, grads)]
+        errs["causal" if causal else "not causal"] = max(float(d.abs().max()) for d in diffs)
     return errs
