@@ -147,7 +147,7 @@ register(Exercise(
            "rank; when both ranks of a pair send first, neither ever reaches its receive.",
            "Break the symmetry: let the two ranks of a pair play different roles, decided by "
            "something both know, or start the receive before the send so that the transport "
-           "reads while it writes (the picture above the exercise). The result goes into a "
+           "reads while it writes. The result goes into a "
            "tensor of its own."),
 ))
 
