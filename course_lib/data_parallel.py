@@ -115,7 +115,7 @@ def allreduce_grads_bucketed(params: Sequence[torch.Tensor], bucket_cap_mb: floa
 
 # %% solutions/04a_data_parallel.ipynb, cell 27
 def buckets_to_launch(next_bucket: int, complete: Sequence[bool]) -> list[int]:
-    """The buckets that may start now: the run of complete buckets from `next_bucket` on.
+    """The buckets that may start now, in launch order, as a list of their indices.
     Launching strictly in bucket order makes every rank issue the same collectives in order."""
     end = next_bucket
     while end < len(complete) and complete[end]:
