@@ -81,8 +81,8 @@ def unshard(flat: _FlatParam, *, dist: Any = None, group: Any = None,
 # %% solutions/08b_fsdp.ipynb, cell 13
 def reduce_unit_grad(flat: _FlatParam, *, dist: Any = None, group: Any = None
                      ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """After a unit's backward: start averaging its flat gradient into a new shard-sized
-    tensor; drop the gradient from `flat.full` and free the gathered parameters."""
+    """After a unit's backward: `(work, reduced, grad)`, `reduced` this rank's shard of the
+    averaged flat gradient once `work` is done; `flat.full` left with no gradient, no memory."""
     grad, flat.full.grad = flat.full.grad, None
     reduced = flat.full.new_empty(flat.layout.shard_numel)
     work = reduce_scatter_grads(grad, reduced, dist=dist, group=group, async_op=True)

@@ -101,9 +101,8 @@ def gather_from_parallel(x: torch.Tensor, dist: Any = None, group: Any = None) -
 # %% solutions/06_tensor_parallel.ipynb, cell 18
 def initial_slice(layer: ColumnParallel | RowParallel,
                   bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's slice of nn.Linear's default initialization, drawn block of rows by
-    block in nn.Linear's order (weight, then bias), so that no more than one block is
-    held beside the slice."""
+    """This rank's slice of the nn.Linear one process would draw from the same random state
+    (its weight, and its bias or None), without holding the whole weight."""
     bound = 1 / math.sqrt(layer.in_features)  # nn.Linear's, for weight and bias alike
     p, rows = layer.world_size, layer.out_features
     step = rows // (p * layer.parts) if layer.dim == 0 else math.ceil(rows / p)
@@ -120,14 +119,14 @@ def initial_slice(layer: ColumnParallel | RowParallel,
     return torch.cat(kept), b
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 21
+# %% solutions/06_tensor_parallel.ipynb, cell 22
 def column_parallel_forward(layer: "ColumnParallelLinear", x: torch.Tensor) -> torch.Tensor:
     """x (whole) -> this rank's slice of the output features, or all of them, gathered."""
     y = F.linear(copy_to_parallel(x, layer.dist, layer.group), layer.weight, layer.bias)
     return gather_from_parallel(y, layer.dist, layer.group) if layer.gather_output else y
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 24
+# %% solutions/06_tensor_parallel.ipynb, cell 25
 def row_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -> torch.Tensor:
     """This rank's slice of the input features (or the whole x) -> the whole output."""
     if not layer.input_is_parallel:
@@ -137,7 +136,7 @@ def row_parallel_forward(layer: "RowParallelLinear", x: torch.Tensor) -> torch.T
     return y + layer.bias if layer.bias is not None else y
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 27
+# %% solutions/06_tensor_parallel.ipynb, cell 28
 class _LessonHooks:
     """Where the set-up calls Exercise 5 (initialization) and Exercise 1 (`from_linear`)."""
 
@@ -162,7 +161,7 @@ class RowParallelLinear(_LessonHooks, RowParallel):
         return row_parallel_forward(self, x)
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 30
+# %% solutions/06_tensor_parallel.ipynb, cell 31
 class TensorParallelMLP(ParallelMLP):
     """fc2(activation(fc1(x))), fc1 column-parallel, fc2 row-parallel: one all-reduce forward
     (g, in fc2), one backward (f, in fc1); each rank holds 1/p of both weight matrices."""
@@ -182,7 +181,7 @@ class TensorParallelAttention(HeadParallelAttention):
         return attention_forward(self, x)
 
 
-# %% solutions/06_tensor_parallel.ipynb, cell 32
+# %% solutions/06_tensor_parallel.ipynb, cell 33
 def attention_forward(attn: "TensorParallelAttention", x: torch.Tensor) -> torch.Tensor:
     """This rank's heads of self-attention on the whole x; the output, summed over ranks."""
     b, t, _ = x.shape

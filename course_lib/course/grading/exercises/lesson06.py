@@ -339,7 +339,8 @@ register(Exercise(
            "row after row, then the bias), a block of rows at a time, and keep only what is "
            "this rank's.",
            "Column-parallel: the rows come in world_size x parts equal blocks, owned in turn by "
-           "rank 0, 1, ... and again for each packed part (the picture above the exercise). "
+           "rank 0, 1, ... and again for each packed part (with parts=3: q's blocks, then k's, "
+           "then v's). "
            "Row-parallel: any blocks of rows will do; keep this rank's columns of each. Both "
            "draw uniformly within plus or minus one over the square root of in_features; the "
            "bias comes last, and only a column-parallel rank cuts it."),
