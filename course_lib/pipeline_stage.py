@@ -152,7 +152,7 @@ def stage_send(stage: PipelineStage, tensor: torch.Tensor, dst: int, tag: int,
 # %% solutions/07b_pipeline_messages.ipynb, cell 10
 def stage_recv(stage: PipelineStage, src: int, tag: int, microbatch: int) -> torch.Tensor:
     """Receive header + tensor from `src` (or collect what `irecv` posted); check that it is
-    the micro-batch we expect."""
+    the micro-batch asked for."""
     what = (_("activation of micro-batch {microbatch}", microbatch=microbatch)
             if tag == ACTIVATION_TAG
             else _("gradient of micro-batch {microbatch}", microbatch=microbatch))
