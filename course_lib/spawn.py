@@ -9,12 +9,12 @@ on every path. Each rank gets LOCAL_RANK and, on a host with a GPU per rank, its
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import contextlib
 import signal
 import tempfile
 import threading
@@ -28,6 +28,7 @@ from course_lib.processes import RankError, end_processes, record
 
 STARTUP_TIMEOUT = 60.0
 GRACE = 5.0  # past the group's timeout, so a rank's own timeout error (naming its peer) comes first
+EXIT_GRACE = 5.0  # for ranks that finished to exit before they are ended by PID
 SpawnError = RankError  # the name tests and scripts know; one error type for failed ranks
 # Imported once by the fork server, so ranks fork from it ready to run: torch, and torch._dynamo,
 # which the first optimizer a process builds imports (2 s of CPU more per rank otherwise).
@@ -112,7 +113,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
              for r in range(world_size)]
     # Start-up (imports, rendezvous) gets its own allowance; `timeout` counts once all are ready.
     deadline = time.monotonic() + STARTUP_TIMEOUT + timeout
-    ready, grace = 0, 5.0
+    ready, grace = 0, EXIT_GRACE
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     addresses: dict[int, Any] = {}
@@ -212,7 +213,7 @@ def _died(proc: Any, fault_path: str, limit: int = 4000) -> str:
     return f"{what}\n{stack[-limit:]}" if stack else what
 
 
-def _end_processes(procs: list, grace: float = 5.0) -> None:
+def _end_processes(procs: list, grace: float = EXIT_GRACE) -> None:
     """Give each process `grace` seconds to exit, end the rest by PID, and reap them all."""
     end = time.monotonic() + grace
     for p in procs:
