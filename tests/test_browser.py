@@ -175,6 +175,21 @@ def test_lesson_03_runs_to_completion_on_four_engines_in_the_browser(lab):
     assert "Traceback" not in text
 
 
+SPANISH_HEADINGS = ("Conoce tu clúster", "Ejercicio: tu propio fragmento")
+
+
+def _text_once_it_shows(page, wanted: tuple[str, ...], timeout: float = 30) -> str:
+    """The open notebook's text once every string of `wanted` is in it, or at `timeout`:
+    JupyterLab renders the cells below the first screen in idle time after the page loads."""
+    notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook")
+    deadline = time.monotonic() + timeout
+    while True:
+        text = notebook.text_content()
+        if all(w in text for w in wanted) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
 def test_the_spanish_edition_in_the_browser(browser, tmp_path):
     """`course.py lab --lang es`: JupyterLab's own menus and the lesson in Spanish. (The check's
     and the cluster's messages in Spanish are tests/test_i18n.py's; running the lesson again
@@ -189,9 +204,9 @@ def test_the_spanish_edition_in_the_browser(browser, tmp_path):
             _wait_for_an_idle_kernel(base)
             page.screenshot(path=str(ARTIFACTS / "00_cluster-es.png"))
             menus = page.locator("#jp-MainMenu .lm-MenuBar-itemLabel").all_text_contents()
-            text = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").text_content()
+            text = _text_once_it_shows(page, SPANISH_HEADINGS)
         finally:
             page.close()
             _shut_down_kernels(base)
     assert menus[:3] == ["Archivo", "Editar", "Ver"] and "Ayuda" in menus
-    assert "Conoce tu clúster" in text and "Ejercicio: tu propio fragmento" in text
+    assert all(heading in text for heading in SPANISH_HEADINGS), text
