@@ -21,8 +21,6 @@ class Held(NamedTuple):
     numel: int
     counted: bool = True
 
-__all__ = ["Held", "total_norm"]
-
 
 # %% solutions/11b_train_step.ipynb, cell 24
 def total_norm(held: Sequence[Held], norm_type: float, groups: Sequence[Any],

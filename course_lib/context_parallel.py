@@ -68,10 +68,7 @@ def positions(layout: str, rank: int, cp: int, local_len: int,
     return torch.cat([torch.arange(r.start, r.stop, device=device)
                       for r in chunk_ranges(layout, rank, cp, local_len // 2)])
 
-__all__ = ["LAYOUTS", "KV_TAG", "GRAD_TAG", "padded_length", "pad_sequence", "chunk_ids",
-    "chunk_ranges", "positions", "zigzag_split", "contiguous_split", "split_sequence",
-    "unsplit_sequence", "gather_sequence", "block_attention", "merge", "ring_step",
-    "attention_mask", "block_grads", "RingAttention", "ring_attention"]
+__all__ += ["KV_TAG", "GRAD_TAG"]
 
 
 # %% solutions/12b_ring_attention.ipynb, cell 6

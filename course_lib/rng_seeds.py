@@ -22,8 +22,6 @@ def stream_seed(seed: int, name: str, **coordinates: int) -> int:
     key = "/".join([str(seed), name] + [f"{k}={coordinates[k]}" for k in sorted(coordinates)])
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
-__all__ = ["REPLICATED", "SHARDED", "stream_seed", "stream_seeds"]
-
 
 # %% solutions/12a_sequence_parallel.ipynb, cell 18
 def stream_seeds(seed: int, tp_rank: int, dp_rank: int, pp_rank: int) -> dict[str, int]:

@@ -64,13 +64,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, dist: Any, group: Any) -> torch.T
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
     return out
 
-__all__ = ["SEQ_DIM", "GatherFromSequenceParallel", "ReduceScatterToSequenceParallel",
-    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
-    "ScatterToSequenceParallel", "scatter_to_sequence_parallel", "GatherToWholeSequence",
-    "AllGatherLinear", "column_sequence_parallel_forward", "row_sequence_parallel_forward",
-    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP", "TensorParallelAttention",
-    "attention_forward", "mark_sequence_parallel", "set_sequence_parallel",
-    "sequence_parallel_params", "allreduce_sequence_parallel_grads"]
+__all__ += ["GatherToWholeSequence"]
 
 
 # %% solutions/12a_sequence_parallel.ipynb, cell 7

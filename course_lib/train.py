@@ -31,8 +31,7 @@ __all__ = ["PRECISIONS", "DynamicLossScaler", "Precision", "Run", "TrainConfig",
            "precision_forward", "reduce_grads", "reference_losses", "torchrun", "train",
            "train_one_process", "train_step", "unscale_grads", "update_scale"]
 
-__all__ = ["reduce_grads", "unscale_grads", "train_step", "Run", "train", "train_one_process",
-    "reference_losses", "spawn_rank", "main"]
+__all__ += ["spawn_rank", "main"]
 
 
 # %% solutions/11b_train_step.ipynb, cell 6

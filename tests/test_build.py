@@ -210,6 +210,25 @@ def test_export_errors(repo: Path):
         exports.exported_modules(nb, path.name)
 
 
+def test_an_all_the_first_cell_declares_is_extended_not_replaced(repo: Path):
+    """A first cell that lists names it re-exports keeps them: the generated line adds the
+    cells' own names after them (a second `__all__ =` would drop them); set later, it fails."""
+    path = repo / "solutions" / "90_fixture.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    first = nb.cells[2].source
+    nb.cells[2].source = first.replace("import math\n", "import math\nfrom math import pi\n\n"
+                                       '__all__ = ["pi", "area"]\n', 1)
+    modules = exports.exported_modules(nb, path.name)
+    namespace: dict = {}
+    exec(compile(modules["course_lib/fixture_mod.py"], "fixture_mod.py", "exec"), namespace)
+    assert namespace["__all__"] == ["pi", "area", "TAU"]
+    assert modules["course_lib/fixture_mod.py"].count("__all__") == 2  # the list and `+=`
+    nb.cells[2].source = first
+    nb.cells[6].source = '#| export\n__all__ = ["TAU"]\nTAU = 1'
+    with pytest.raises(build.BuildError, match="cell 6: `__all__` is set here, after"):
+        exports.exported_modules(nb, path.name)
+
+
 def test_a_cell_can_export_to_another_module(repo: Path):
     """nbdev's `#| export other`: that cell goes to course_lib/other.py, the rest stay."""
     path = repo / "solutions" / "90_fixture.ipynb"

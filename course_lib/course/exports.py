@@ -63,6 +63,19 @@ def public_names(body: str, where: str) -> list[str]:
     return [n for n in names if not n.startswith("_")]
 
 
+def declared_all(body: str, where: str) -> list[str] | None:
+    """The names a cell's own top-level `__all__ = [...]` lists, or None when it sets none."""
+    for node in ast.parse(body).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:
+                raise BuildError(f"{where}, line {node.lineno}: `__all__` must be a literal "
+                                 "list of names") from None
+    return None
+
+
 def exported_cells(nb: nbformat.NotebookNode, name: str) -> dict[str, list[tuple[int, str, str]]]:
     """{module: [(cell index, source without the directive line, where)]} for a notebook's
     `#| export` cells: each goes to the `#| default_exp` module, or to the one it names
@@ -110,12 +123,20 @@ def module_text(module: str, cells: list[tuple[int, str, str]], origin: str,
                 header: str = HEADER) -> tuple[str, str]:
     """(path, text) of one generated module: header, then each cell after its marker."""
     bodies, names = [], []
-    for i, body, where in cells:
+    for k, (i, body, where) in enumerate(cells):
         names += [n for n in public_names(body, where) if n not in names]
         bodies.append(CELL_MARKER.format(notebook=origin, index=i) + "\n" + body)
-    # After the first cell (the module docstring and imports), as early as Python allows.
-    listed = "__all__ = [" + ", ".join(f'"{n}"' for n in names) + "]"
-    bodies[0] += "\n\n" + "\n".join(_wrap(listed))
+        if k and declared_all(body, where) is not None:
+            raise BuildError(f"{where}: `__all__` is set here, after the module's first "
+                             "exported cell; set it there, where the generated list extends it")
+    # After the first cell (the module docstring and imports), as early as Python allows; a
+    # list that cell declares (names it re-exports) is extended, not replaced.
+    declared = declared_all(cells[0][1], cells[0][2])
+    names = [n for n in names if n not in (declared or [])]
+    if declared is None or names:
+        listed = f"__all__ {'=' if declared is None else '+='} [" + ", ".join(
+            f'"{n}"' for n in names) + "]"
+        bodies[0] += "\n\n" + "\n".join(_wrap(listed))
     text = header.format(notebook=origin) + "\n" + "\n\n\n".join(bodies) + "\n"
     return module_path(module), text
 
