@@ -93,46 +93,50 @@ class CountingDist:
         kwargs["group"] = self._group(kwargs.get("group"))
         return getattr(self.dist, name)(*args, **kwargs)
 
-    def all_reduce(self, tensor, *args, **kwargs):
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("all_reduce", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def broadcast(self, tensor, *args, **kwargs):
+    def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("broadcast", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def reduce(self, tensor, *args, **kwargs):
+    def reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("reduce", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def reduce_scatter(self, output, input_list, *args, **kwargs):
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], *args: Any,
+                       **kwargs: Any) -> Any:
         return self._call("reduce_scatter", _nbytes(input_list), (output, input_list, *args),
                           kwargs)
 
-    def all_gather(self, tensor_list, tensor, *args, **kwargs):
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> Any:
         return self._call("all_gather", _nbytes(tensor_list), (tensor_list, tensor, *args),
                           kwargs)
 
-    def gather(self, tensor, *args, **kwargs):
+    def gather(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("gather", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def scatter(self, tensor, *args, **kwargs):
+    def scatter(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("scatter", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def send(self, tensor, dst, *args, **kwargs):
+    def send(self, tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
         return self._call("send", _nbytes(tensor), (tensor, dst, *args), kwargs)
 
-    def isend(self, tensor, dst, *args, **kwargs):
+    def isend(self, tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
         return self._call("isend", _nbytes(tensor), (tensor, dst, *args), kwargs)
 
-    def recv(self, tensor, *args, **kwargs):
+    def recv(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("recv", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def irecv(self, tensor, *args, **kwargs):
+    def irecv(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self._call("irecv", _nbytes(tensor), (tensor, *args), kwargs)
 
-    def barrier(self, *args, **kwargs):
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
         return self._call("barrier", 0, args, kwargs)
 
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                          *args, **kwargs):
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None,
+                          *args: Any, **kwargs: Any) -> Any:
         """Counted by the bytes it really sends: uneven splits are counted, not modelled."""
         self.exact["all_to_all_single"] += _a2a_sent(
             input.shape[0] if input.dim() else 1, _nbytes(input), input_split_sizes,
@@ -140,7 +144,8 @@ class CountingDist:
         return self._call("all_to_all_single", _nbytes(input),
                           (output, input, output_split_sizes, input_split_sizes, *args), kwargs)
 
-    def all_to_all(self, output_tensor_list, input_tensor_list, *args, **kwargs):
+    def all_to_all(self, output_tensor_list: list[torch.Tensor],
+                   input_tensor_list: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         rank = self.get_rank(kwargs.get("group"))
         self.exact["all_to_all"] += sum(_nbytes(t) for j, t in enumerate(input_tensor_list)
                                         if j != rank)

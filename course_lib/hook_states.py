@@ -148,7 +148,8 @@ class PowerSGDState:
         return qs
 
 
-def split_compressible(state: PowerSGDState, grads: list[torch.Tensor]):
+def split_compressible(state: PowerSGDState, grads: list[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
     """(matrices to compress as (1, n, m) views, their ranks, the tensors sent as they are)."""
     compress, ranks, plain = [], [], []
     for g in grads:

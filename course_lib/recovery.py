@@ -13,6 +13,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from course_lib import checkpoint
 from course_lib.checkpoint import CheckpointError
 from course_lib.i18n import _
@@ -24,7 +27,9 @@ __all__ = ["run_state", "restore", "accumulation_steps", "checkpoints", "Checkpo
 
 
 # %% solutions/09b_recovery.ipynb, cell 16
-def run_state(model, optimizer, scheduler, sampler, step: int, *, init: bool = False) -> dict:
+def run_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+              scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: ResumableSampler,
+              step: int, *, init: bool = False) -> dict:
     """Everything the next step depends on, as a state dict that `checkpoint.save` writes and
     `checkpoint.load` fills (`init`: give a fresh optimizer its state first, to load into)."""
     model_state, optim_state = get_state_dict(model, optimizer, init_state=init)
@@ -34,7 +39,9 @@ def run_state(model, optimizer, scheduler, sampler, step: int, *, init: bool = F
 
 
 # %% solutions/09b_recovery.ipynb, cell 18
-def restore(model, optimizer, scheduler, sampler, state: dict) -> int:
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: ResumableSampler,
+            state: dict) -> int:
     """After `checkpoint.load` into `run_state(..., init=True)`: put back what a load cannot
     fill in place (hyperparameters, the scheduler, the sampler, this rank's RNGs); the step."""
     set_state_dict(model, optimizer, state["model"], state["optim"])

@@ -6,6 +6,8 @@ Importable from `course_lib.run` too.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from course_lib.data import DistributedSampler
@@ -32,7 +34,8 @@ def split_text(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, to
     return ids[:n], ids[n:]
 
 
-def batches(dataset: TextWindows, per_rank: int, dp: int, dp_rank: int, seed: int):
+def batches(dataset: TextWindows, per_rank: int, dp: int, dp_rank: int,
+            seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's (x, y) for each step, forever: its strided share of the
     global batch, so the dp ranks of a step together read what one process would."""
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, seed=seed,

@@ -183,7 +183,7 @@ class Cluster(RankedEngines):
     # -- running code -------------------------------------------------------------------
 
     @property
-    def view(self):
+    def view(self) -> Any:
         """The ipyparallel DirectView over all ranks, ordered by rank."""
         self._check_usable()
         return self._view

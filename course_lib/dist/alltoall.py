@@ -27,7 +27,7 @@ Alpha-beta models: `pairwise_time`, `naive_time` (and `even_time` for equal bloc
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,6 +50,9 @@ def is_power_of_two(p: int) -> bool:
     return p > 0 and p & (p - 1) == 0
 
 
+Peers = Callable[[int, int, int], tuple[int, int]]  # (rank, world_size, step) -> (to, from)
+
+
 def pairwise_peers(rank: int, world_size: int, step: int) -> tuple[int, int]:
     """(send_to, recv_from) of `rank` in round `step` (1 .. p - 1) of the pairwise exchange."""
     if is_power_of_two(world_size):
@@ -58,12 +61,12 @@ def pairwise_peers(rank: int, world_size: int, step: int) -> tuple[int, int]:
     return (rank + step) % world_size, (rank - step) % world_size
 
 
-def schedule(world_size: int, peers=pairwise_peers) -> list[list[tuple[int, int]]]:
+def schedule(world_size: int, peers: Peers = pairwise_peers) -> list[list[tuple[int, int]]]:
     """Round by round, each rank's (send_to, recv_from): what a picture of the exchange draws."""
     return [[peers(r, world_size, s) for r in range(world_size)] for s in range(1, world_size)]
 
 
-def check_schedule(world_size: int, peers=pairwise_peers) -> list[str]:
+def check_schedule(world_size: int, peers: Peers = pairwise_peers) -> list[str]:
     """What keeps `peers` from being a deadlock-free all_to_all on `world_size` ranks ([]: none).
 
     Deadlock-free: in every round, the rank r sends to receives from r in that same round.

@@ -54,7 +54,7 @@ def check_host(tensors: Sequence[torch.Tensor | None], name: str) -> None:
                               device=t.device))
 
 
-def check_op(op) -> ReduceOp:
+def check_op(op: object) -> ReduceOp:
     """Our ReduceOp, also accepting torch.distributed.ReduceOp.SUM etc. by name."""
     if isinstance(op, ReduceOp):
         return op

@@ -28,7 +28,7 @@ import platform
 import select
 import socket
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ from course_lib.dist.stream import PeerClosed, WireTimeout, byte_view, send_part
 from course_lib.dist.wire import recv_exact
 from course_lib.i18n import _
 
+T = TypeVar("T")  # what a header parser returns
 SPIN_SECONDS = 50e-6  # spinning holds the GIL: long enough for a reply on its way, no more
 YIELD_SECONDS = 1e-3  # then poll between yields: longer than the gap between slot doorbells
 NAP_SECONDS = (0.001, 0.02)  # the sleeping reader's first and longest look-again interval
@@ -68,7 +69,8 @@ class SocketStream:
     def recv_exact(self, view: memoryview, deadline: float, soon: bool = False) -> None:
         recv_exact(self.sock, view, deadline)
 
-    def recv_parsed(self, scratch: memoryview, parse: Callable, deadline: float):
+    def recv_parsed(self, scratch: memoryview, parse: Callable[[memoryview], T],
+                    deadline: float) -> T:
         """`parse` of the next len(scratch) bytes, read into `scratch`."""
         recv_exact(self.sock, scratch, deadline)
         return parse(scratch)
@@ -173,7 +175,8 @@ class RingStream:
             self.tail[0] = tail + k
             got += k
 
-    def recv_parsed(self, scratch: memoryview, parse: Callable, deadline: float):
+    def recv_parsed(self, scratch: memoryview, parse: Callable[[memoryview], T],
+                    deadline: float) -> T:
         """`parse` of the next len(scratch) bytes (a header), read where they lie in the ring
         and only then given back to the writer; copied into `scratch` if they wrap."""
         view = self._in_place(len(scratch), deadline, soon=False)
@@ -288,7 +291,8 @@ def check_peer(sock: socket.socket) -> None:
     recv_now(sock, 1, socket.MSG_PEEK)
 
 
-def reduce_through_copy(stream, target: torch.Tensor, combine: Callable,
+def reduce_through_copy(stream: SocketStream | RingStream, target: torch.Tensor,
+                        combine: Callable[[torch.Tensor, torch.Tensor], object],
                         deadline: float) -> None:
     """Receive a payload into a temporary, then reduce it into `target`."""
     incoming = torch.empty_like(target)

@@ -27,6 +27,7 @@ import secrets
 import socket
 import struct
 import time
+from typing import Callable
 
 import torch
 
@@ -173,7 +174,7 @@ def negotiate(sock: socket.socket, deadline: float) -> tuple[Region | None, Regi
     return (out if reply[0] in (1, 2) else None), incoming
 
 
-def fits_now(region: Region, stream, header_bytes: int, nbytes: int) -> bool:
+def fits_now(region: Region, stream: ring.RingStream, header_bytes: int, nbytes: int) -> bool:
     """Whether an `nbytes` payload would go through the slots without waiting: the slots it
     needs are free and the stream takes its header and doorbells. Then the caller's thread can
     send it itself instead of handing it to the sender thread (a wake-up and GIL hand-off)."""
@@ -181,7 +182,7 @@ def fits_now(region: Region, stream, header_bytes: int, nbytes: int) -> bool:
             and sum(not region.busy(i) for i in range(SLOTS)) >= _slots_for(nbytes))
 
 
-def stream_takes(stream, header_bytes: int, nbytes: int) -> bool:
+def stream_takes(stream: ring.RingStream, header_bytes: int, nbytes: int) -> bool:
     """Whether `stream` takes the header and every doorbell of an `nbytes` payload now."""
     return stream.room() >= header_bytes + _slots_for(nbytes)
 
@@ -244,8 +245,9 @@ class SlotWriter:
         return True
 
 
-def receive(region: Region, stream, target: torch.Tensor | None, nbytes: int,
-            deadline: float, combine=None) -> None:
+def receive(region: Region, stream: ring.RingStream, target: torch.Tensor | None, nbytes: int,
+            deadline: float, combine: Callable[[torch.Tensor, torch.Tensor], object] | None = None
+            ) -> None:
     """Receive a marked frame's payload into `target` (contiguous), or drop it if None; with
     `combine(target_piece, slot_piece)`, each slot is reduced into the target where it lies
     (slots hold whole elements: SLOT_BYTES is a multiple of every element size). A send that

@@ -123,7 +123,7 @@ class Listener:
                                         name=f"dist-listener-{rank}")
         self._thread.start()
 
-    def reject(self, addr, why: object, rank: int) -> None:
+    def reject(self, addr: tuple, why: object, rank: int) -> None:
         """Note and log a connection turned away."""
         self.rejected.append(f"{addr[0]}:{addr[1]}: {why}")
         log.warning("rank %d: rejected a connection from %s:%s: %s", rank, *addr[:2], why)
