@@ -68,18 +68,20 @@ def backward_step(sched: PipelineSchedule, mb: int) -> None:
 class PipelineSchedule:
     """One training step of `stage` over `n_microbatches`: the actions of `order()` in turn,
     each kind run by the method `ACTIONS` names; the loss scaled by 1/m (`scale_grads`). After
-    `step`: `events`, `peak_live` and `peak_activation_bytes` (parameters excluded)."""
+    `step`: `events`, `peak_live` and `peak_activation_bytes` (parameters excluded; counted
+    with `track_memory`, at the cost of a Python call per tensor autograd saves)."""
 
     ACTIONS = {"F": "_forward", "B": "_backward"}
 
     def __init__(self, stage: PipelineStage, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, track_memory: bool = True):
         if n_microbatches < 1:
             raise ValueError(_("n_microbatches must be >= 1, got {n_microbatches}",
                                n_microbatches=n_microbatches))
         self.stage, self.n_microbatches = stage, n_microbatches
         self.loss_fn, self.scale_grads = loss_fn, scale_grads
+        self.track_memory = track_memory
         self.events: list[Event] = []
         self.peak_live = self.peak_activation_bytes = 0
 
@@ -146,7 +148,9 @@ class PipelineSchedule:
             return t
 
         if action == "F":
-            with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            counting = (torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
+                        if self.track_memory else contextlib.nullcontext())
+            with counting:
                 yield
             self._stored[mb] = nbytes[0]
             self.peak_live = max(self.peak_live, len(self._stored))

@@ -72,7 +72,8 @@ def pipeline_schedule(run: Any) -> Any:
         stage = pipelining.PipelineStage(run.module, c["pp"], cfg.pp, run.device, group=group)
         return pipelining.Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
     stage = PipelineStage(run.module, c["pp"], cfg.pp, dist=run.dist, group=group)
-    return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn)
+    # No activation counting in a training run: it costs a Python call per saved tensor.
+    return Schedule1F1B(stage, cfg.micro_batches, loss_fn=run.loss_fn, track_memory=False)
 
 
 def parallelize_blocks_torch(stage: nn.Module, mesh: Any) -> None:

@@ -53,14 +53,15 @@ def _run_step(schedule, stage: PipelineStage, x, y, losses):
 
 
 def _one_case(rank: int, world: int, schedule_cls, m: int, scale_grads: bool = True,
-              group=None) -> dict:
+              group=None, track_memory: bool = True) -> dict:
     """Stage `rank` of `world` stages; on a sub-group, `rank`/`world` are the group's."""
     full = _model()
     ref = copy.deepcopy(full)
     to_ref = {id(p): q for p, q in zip(full.parameters(), ref.parameters())}
     stage = PipelineStage(split_sequential(full, world)[rank], rank, world, group=group)
     params = list(stage.submodule.parameters())
-    schedule = schedule_cls(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=scale_grads)
+    schedule = schedule_cls(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=scale_grads,
+                            track_memory=track_memory)
     opt = torch.optim.SGD(params, lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     errs: dict[str, float] = {}
@@ -91,6 +92,8 @@ def _all_cases(rank: int, world: int) -> dict:
              for name, cls in SCHEDULES.items() for m in MICROBATCHES}
     # The wrong version: not dividing the loss by m gives m times the gradient.
     cases["unscaled"] = _one_case(rank, world, ScheduleGPipe, 4, scale_grads=False)["errs"]
+    # What the capstone runs: no activation counting, the same step.
+    cases["untracked"] = _one_case(rank, world, Schedule1F1B, 4, track_memory=False)
     return cases
 
 
@@ -100,6 +103,9 @@ def test_pp_parity_and_stored_activations(world, backend):
     per_rank = spawn(_all_cases, world, backend=backend, timeout=120)
     for rank, cases in enumerate(per_rank):
         assert cases.pop("unscaled")["grad"] > 0, "parity missed an unscaled loss"
+        untracked = cases.pop("untracked")
+        assert all(v <= 0 for v in untracked["errs"].values()), untracked["errs"]
+        assert (untracked["peak_live"], untracked["peak_bytes"]) == (min(world - rank, 4), 0)
         for (name, m), r in cases.items():
             bad = {k: v for k, v in r["errs"].items() if not v <= 0}
             assert not bad, f"{name} m={m} stage {rank}: beyond rtol={RTOL} atol={ATOL}: {bad}"
