@@ -259,11 +259,11 @@ import os, sys, tempfile
 from pathlib import Path
 import nbformat
 from course_lib.course.grading.kernel_session import KernelSession, kernel_zygote
-work = Path(tempfile.mkdtemp())
+work = Path(tempfile.mkdtemp(dir=sys.argv[1]))
 (work / "cwd").mkdir()
 session = KernelSession(nbformat.v4.new_notebook(), work / "cwd")
 session.start(dict(os.environ), work, kernel_zygote())
-print(session.pid, flush=True)
+print(session.pid, session.client.km.connection_file, flush=True)
 sys.stdin.read()  # until the test kills this process
 """
 
@@ -272,11 +272,15 @@ def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
     """No close(), no atexit: the kernel's keeper sees its grader gone and the namespace ends
     (a kernel started by `unshare` alone outlived it: its parent poller sees no parent there)."""
     tag = "COURSE_GRADE_ORPHAN_TEST"
-    grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, tag: "1"})
+    grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, tag: "1"})
     try:
-        kernel = int(grader.stdout.readline())
+        pid, connection_file = grader.stdout.readline().split()
+        kernel = int(pid)
         assert psutil.pid_exists(kernel)
+        # The channels' key is in the submission's folder, which a resumed run removes.
+        assert Path(connection_file).parent.parent == tmp_path, connection_file
         grader.kill()
         grader.wait(10)
         left = psutil.wait_procs(tagged_processes(tag, "1"), timeout=15)[1]

@@ -79,6 +79,9 @@ class KernelSession:
         self.client.km = self.client.create_kernel_manager()
         # Unix sockets in our own temp folder: no TCP port, nothing written next to the notebook.
         self.client.km.transport, self.client.km.ip = "ipc", str(sockets / "kernel")
+        # Its connection file (the channels' HMAC key) too: gone with the folder, even when
+        # the grader is killed before it can remove the file.
+        self.client.km.connection_file = str(sockets / "kernel.json")
         self._started = time.time() - 1.0  # create_time is rounded; a second of slack
         self.client.start_new_kernel(env=env, cwd=str(self.cwd))
         self.pid = self.client.km.provisioner.pid
