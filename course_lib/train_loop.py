@@ -200,10 +200,14 @@ def torchrun(cfg: TrainConfig, nproc_per_node: int, json_file: str | os.PathLike
              timeout: float = 600.0) -> dict[str, Any]:
     """Run `cfg` under torchrun on this host (`torchrun --nproc-per-node N -m course_lib.train
     ...`), in its own process group, and return rank 0's result."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-           str(nproc_per_node), "-m", "course_lib.train", *flags(cfg), "--json", str(json_file)]
-    run_session(cmd, timeout, f"torchrun --nproc-per-node {nproc_per_node}",
-                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    # Its agent's logs in a folder removed afterwards (by default torchrun leaves a
+    # /tmp/torchelastic_* folder behind at every run).
+    with tempfile.TemporaryDirectory(prefix="course-torchrun-") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(nproc_per_node), "--log-dir", logs, "-m", "course_lib.train", *flags(cfg),
+               "--json", str(json_file)]
+        run_session(cmd, timeout, f"torchrun --nproc-per-node {nproc_per_node}",
+                    env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     with open(json_file) as f:
         return json.load(f)
 

@@ -107,11 +107,12 @@ def test_what_cannot_be_forked_starts_as_a_new_python(managers, tmp_path):
 
 
 MANAGER = textwrap.dedent("""
-    import sys
+    import os, sys
     from jupyter_client.manager import KernelManager
     from course_lib.course import kernels as kernel_provisioner
     kernel_provisioner.use_in_this_process()
-    km = KernelManager(kernel_name="python3")
+    # In the test's folder: killed, this process cannot remove its connection file.
+    km = KernelManager(kernel_name="python3", connection_file=os.path.abspath("kernel.json"))
     km.start_kernel()
     print(km.provisioner.pid, type(km.provisioner).__name__, flush=True)
     sys.stdin.read()

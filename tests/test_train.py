@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,9 +253,12 @@ def test_bad_layout_is_named_before_anything_runs(kw, named):
 def test_torchrun_runs_the_same_training(tmp_path, reference):
     # two processes (tp 2): the capstone notebook's checked cell runs (2, 2, 1) on four
     cfg = dataclasses.replace(TINY, tp=2, steps=3)
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     result = torchrun(cfg, nproc_per_node=2, json_file=tmp_path / "run.json", timeout=240)
     assert result["config"]["tp"] == 2 and result["rank"] == 0
     assert rel(result["losses"], reference["fp32"][:3]) < FP32_RTOL
+    # its agent's log folder went with the run, not left in the temporary folder
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
 
 
 def torch_and_ours(rank: int, world: int, cfgs: dict) -> dict:
