@@ -119,8 +119,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     addresses: dict[int, Any] = {}
     with _unwound_by_sigterm():  # a terminated caller still ends its ranks
         try:
-            for p in procs:
-                p.start()
+            _start(procs)
             while len(results) + len(failures) < world_size:
                 try:
                     kind, rank, payload = to_parent.get(timeout=0.2)
@@ -163,6 +162,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                          failures, signals={r: -p.exitcode for r, p in enumerate(procs)
                                             if r in failures and (p.exitcode or 0) < 0})
     return [results[r] for r in range(world_size)]
+
+
+def _start(procs: list[Any]) -> None:
+    """Start the ranks' processes; a clear error where the temporary folder's path is too long
+    for the Unix socket that multiprocessing's forkserver listens on there."""
+    try:
+        for p in procs:
+            p.start()
+    except OSError as exc:
+        if "path too long" not in str(exc):
+            raise
+        raise OSError(_("spawn: the temporary folder {folder} is too long a path for the Unix "
+                        "socket the ranks start through (Linux allows 107 bytes, macOS 103); "
+                        "set TMPDIR to a shorter folder", folder=tempfile.gettempdir())) from exc
 
 
 class _Terminated(BaseException):

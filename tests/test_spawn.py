@@ -5,9 +5,11 @@ the caller still ends by SIGTERM."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +33,8 @@ if __name__ == "__main__":
 
 
 def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # Short: the forkserver's Unix socket lives in it (tmp_path's path grows with each run)
+    scratch = Path(tempfile.mkdtemp(prefix="sp-"))
     (tmp_path / "caller.py").write_text(CALLER)
     env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT))
     caller = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path)],
@@ -52,10 +54,47 @@ def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path):
     finally:
         if caller.poll() is None:  # failed before the signal: end the caller and its ranks
             end_processes(record(caller.pid))
+        leftovers = list(scratch.glob("course-spawn-*"))
+        shutil.rmtree(scratch, ignore_errors=True)
     deadline = time.monotonic() + 10
     while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [pid for pid in ranks if running(pid)]
     end_processes(started, reap=False)  # whatever the outcome, none outlives the test
     assert left == [], "ranks still running 10 s after their caller was terminated"
-    assert list(scratch.glob("course-spawn-*")) == []
+    assert leftovers == [], leftovers  # removed by spawn, before its caller ended
+
+
+QUICK = """
+import sys
+from course_lib.spawn import spawn
+
+def rank_of(rank, world):
+    return rank
+
+if __name__ == "__main__":
+    try:
+        spawn(rank_of, 2, timeout=60)
+    except OSError as exc:
+        print(exc)
+        sys.exit(3)
+"""
+
+
+def test_a_temporary_folder_too_long_for_the_ranks_socket_is_named(tmp_path):
+    """The forkserver listens on a Unix socket in TMPDIR (a path of at most 107 bytes): too
+    long a TMPDIR is an error that names it, with nothing left behind."""
+    scratch = Path(tempfile.mkdtemp(prefix="sp-"))
+    deep = scratch / ("d" * 90)
+    deep.mkdir()
+    (tmp_path / "quick.py").write_text(QUICK)
+    try:
+        done = subprocess.run([sys.executable, str(tmp_path / "quick.py")], timeout=120,
+                              env=dict(os.environ, TMPDIR=str(deep), PYTHONPATH=str(ROOT)),
+                              capture_output=True, text=True)
+        leftovers = list(deep.glob("course-spawn-*"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert str(deep) in done.stdout and "set TMPDIR to a shorter folder" in done.stdout
+    assert leftovers == []
