@@ -6,9 +6,11 @@ One grading run covers them all (a kernel start costs ~1-2 s); each test reads i
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -268,11 +270,12 @@ sys.stdin.read()  # until the test kills this process
 """
 
 
-def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
+def test_a_kernel_ends_with_its_grader_killed_outright():
     """No close(), no atexit: the kernel's keeper sees its grader gone and the namespace ends
     (a kernel started by `unshare` alone outlived it: its parent poller sees no parent there)."""
     tag = "COURSE_GRADE_ORPHAN_TEST"
-    grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL, str(tmp_path)],
+    scratch = Path(tempfile.mkdtemp(prefix="cg-"))  # short: the kernel's Unix sockets are in it
+    grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL, str(scratch)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, tag: "1"})
     try:
@@ -280,7 +283,7 @@ def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
         kernel = int(pid)
         assert psutil.pid_exists(kernel)
         # The channels' key is in the submission's folder, which a resumed run removes.
-        assert Path(connection_file).parent.parent == tmp_path, connection_file
+        assert Path(connection_file).parent.parent == scratch, connection_file
         grader.kill()
         grader.wait(10)
         left = psutil.wait_procs(tagged_processes(tag, "1"), timeout=15)[1]
@@ -288,3 +291,4 @@ def test_a_kernel_ends_with_its_grader_killed_outright(tmp_path):
     finally:
         end_processes([(p.pid, p.create_time()) for p in tagged_processes(tag, "1")], grace=1.0,
                       reap=False)
+        shutil.rmtree(scratch, ignore_errors=True)
