@@ -59,7 +59,8 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 def test_a_kernel_is_forked_with_its_folder_environment_and_inline_plots(managers, tmp_path,
                                                                          shared_zygote):
     manager = managers()
-    manager.start_kernel(cwd=str(tmp_path), env=dict(os.environ, COURSE_TEST_VALUE="given"))
+    manager.start_kernel(cwd=str(tmp_path), env=dict(os.environ, COURSE_TEST_VALUE="given",
+                                                    TMPDIR=str(tmp_path)))
     assert isinstance(manager.provisioner, ZygoteProvisioner)
     pid = manager.provisioner.pid
     assert psutil.Process(pid).ppid() == shared_zygote.pid  # forked, not a new Python
@@ -67,10 +68,12 @@ def test_a_kernel_is_forked_with_its_folder_environment_and_inline_plots(manager
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
-        got = run(kc, "import os, matplotlib, torch\n"
-                      "print(os.getcwd(), os.environ['COURSE_TEST_VALUE'], os.getpid())\n"
+        got = run(kc, "import os, tempfile, matplotlib, torch\n"
+                      "print(os.getcwd(), os.environ['COURSE_TEST_VALUE'], os.getpid(), "
+                      "tempfile.gettempdir())\n"
                       "print(matplotlib.get_backend())")
-        assert got.split("\n")[0] == f"{tmp_path} given {pid}"
+        # the given TMPDIR, not the one the zygote had read when it started
+        assert got.split("\n")[0] == f"{tmp_path} given {pid} {tmp_path}"
         assert "inline" in got.split("\n")[1]
         assert "sys.path has the folder: True" in run(
             kc, "import sys; print('sys.path has the folder:', '' in sys.path)")

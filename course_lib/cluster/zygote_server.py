@@ -57,6 +57,7 @@ def _become(request: dict) -> None:
             os.dup2(2, 1)
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the request's TMPDIR, not the one the zygote read and cached
         os.chdir(request["cwd"])
         _fresh_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
         _own_package_from_path()
