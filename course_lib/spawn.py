@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -39,11 +40,36 @@ def _context() -> mp.context.BaseContext:
     """multiprocessing's forkserver with torch preloaded, so a rank starts in milliseconds
     instead of importing torch again (about 3 s of CPU each on a laptop); "spawn" where
     there is no fork. Ranks still start from a clean process: the server runs nothing else."""
+    _end_helpers_before_kernel_shutdown()
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def _end_helpers_before_kernel_shutdown() -> None:
+    """In a Jupyter kernel, end multiprocessing's fork server and resource tracker first when
+    the kernel shuts down. ipykernel then SIGTERMs the kernel's children for 14 s before a
+    SIGKILL, and the tracker ignores SIGTERM: the kernel would outlive the server's 5 s wait,
+    be killed, and leave the fork server's folder in /tmp. (ipykernel's `_at_shutdown` is
+    private: where it is missing, nothing changes.)"""
+    kernel = getattr(sys.modules.get("ipykernel.kernelbase"), "Kernel", None)
+    kernel = kernel.instance() if kernel is not None and kernel.initialized() else None
+    at_shutdown = getattr(kernel, "_at_shutdown", None)
+    if at_shutdown is None or getattr(at_shutdown, "ends_helpers", False):
+        return
+
+    async def end_helpers_first() -> None:
+        from multiprocessing import forkserver, resource_tracker
+
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            with contextlib.suppress(Exception):  # the fork server holds the tracker's pipe
+                helper._stop()
+        await at_shutdown()
+
+    end_helpers_first.ends_helpers = True
+    kernel._at_shutdown = end_helpers_first
 
 
 def bind_local_gpu(local_rank: int, local_world_size: int) -> Any:

@@ -98,3 +98,35 @@ def test_a_temporary_folder_too_long_for_the_ranks_socket_is_named(tmp_path):
     assert done.returncode == 3, done.stdout + done.stderr
     assert str(deep) in done.stdout and "set TMPDIR to a shorter folder" in done.stdout
     assert leftovers == []
+
+
+def test_a_kernel_that_used_spawn_shuts_down_at_once(tmp_path):
+    """ipykernel SIGTERMs its children at shutdown, and multiprocessing's resource tracker
+    ignores SIGTERM: without spawn's hook the kernel outlives jupyter_client's 5 s wait and is
+    killed, its fork server's socket left in the kernel's TMPDIR. (A kernel forked by the
+    course's zygote ends by os._exit, so the emptied pymp-* folder itself stays.)"""
+    from jupyter_client.manager import KernelManager
+
+    scratch = Path(tempfile.mkdtemp(prefix="sp-"))  # the kernel's TMPDIR: short, its own
+    km = KernelManager(kernel_name="python3", connection_file=str(tmp_path / "kernel.json"))
+    km.start_kernel(env=dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT)))
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        reply = kc.execute_interactive("import operator\nfrom course_lib.spawn import spawn\n"
+                                       "assert spawn(operator.add, 2) == [2, 3]", timeout=120)
+        kc.stop_channels()
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert list(scratch.glob("pymp-*")), "the fork server did not start in the kernel"
+        kernel = km.provisioner.process
+        km.request_shutdown()
+        deadline = time.monotonic() + 4  # jupyter_client waits 5 s before it kills
+        while kernel.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code, leftovers = kernel.poll(), list(scratch.glob("pymp-*/*"))
+    finally:
+        km.shutdown_kernel(now=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert code == 0, "the kernel did not exit by itself within 4 s of its shutdown request"
+    assert leftovers == [], leftovers
