@@ -93,10 +93,13 @@ def test_a_kernel_is_forked_with_its_folder_environment_and_inline_plots(manager
         assert new != pid and _gone(pid)
         assert psutil.Process(new).ppid() == shared_zygote.pid
         assert run(kc, "print(6 * 7)") == "42\n"
+        mark = tmp_path / "atexit-ran"
+        run(kc, f"import atexit, pathlib\n_ = atexit.register(pathlib.Path({str(mark)!r}).touch)")
     finally:
         kc.stop_channels()
     manager.shutdown_kernel(now=False)
     assert not manager.is_alive() and _gone(new)
+    assert mark.exists(), "a graceful shutdown ran none of the kernel's exit hooks"
 
 
 def test_what_cannot_be_forked_starts_as_a_new_python(managers, tmp_path):

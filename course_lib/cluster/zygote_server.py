@@ -13,6 +13,7 @@ each forked process takes from its request.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import importlib
 import importlib.machinery
@@ -81,6 +82,8 @@ def _become(request: dict) -> None:
             argv = [f"--work-dir={request['cwd']}"] + argv
         sys.argv = [sys.modules[App.__module__].__file__, *argv]  # not the zygote's
         App.launch_instance(argv)
+        if app == "kernel":  # a kernel's exit hooks, as its own Python would run them at exit
+            atexit._run_exitfuncs()  # (the cluster client's stop, multiprocessing's cleanup)
         code = 0
     except BaseException:  # noqa: BLE001 - the engine's own end; said in its log
         traceback.print_exc()
