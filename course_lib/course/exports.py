@@ -44,13 +44,17 @@ def export_source(source: str, where: str) -> str:
                      if kind in (None, "solution"))
 
 
-def public_names(body: str, where: str) -> list[str]:
-    """Names a cell defines at top level (functions, classes, assignments), private ones aside:
-    what the module's `__all__` lists, as nbdev builds it."""
+def parsed(body: str, where: str) -> ast.Module:
+    """A cell's code, parsed; a syntax error names the cell and line."""
     try:
-        tree = ast.parse(body)
+        return ast.parse(body)
     except SyntaxError as exc:
         raise BuildError(f"{where}, line {exc.lineno}: {exc.msg}") from None
+
+
+def public_names(tree: ast.Module) -> list[str]:
+    """Names a cell defines at top level (functions, classes, assignments), private ones aside:
+    what the module's `__all__` lists, as nbdev builds it."""
     names = []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -63,9 +67,9 @@ def public_names(body: str, where: str) -> list[str]:
     return [n for n in names if not n.startswith("_")]
 
 
-def declared_all(body: str, where: str) -> list[str] | None:
+def declared_all(tree: ast.Module, where: str) -> list[str] | None:
     """The names a cell's own top-level `__all__ = [...]` lists, or None when it sets none."""
-    for node in ast.parse(body).body:
+    for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             try:
@@ -122,16 +126,19 @@ def module_path(module: str) -> str:
 def module_text(module: str, cells: list[tuple[int, str, str]], origin: str,
                 header: str = HEADER) -> tuple[str, str]:
     """(path, text) of one generated module: header, then each cell after its marker."""
-    bodies, names = [], []
+    bodies, names, declared = [], [], None
     for k, (i, body, where) in enumerate(cells):
-        names += [n for n in public_names(body, where) if n not in names]
+        tree = parsed(body, where)
+        names += [n for n in public_names(tree) if n not in names]
         bodies.append(CELL_MARKER.format(notebook=origin, index=i) + "\n" + body)
-        if k and declared_all(body, where) is not None:
+        own = declared_all(tree, where)
+        if k == 0:
+            declared = own
+        elif own is not None:
             raise BuildError(f"{where}: `__all__` is set here, after the module's first "
                              "exported cell; set it there, where the generated list extends it")
     # After the first cell (the module docstring and imports), as early as Python allows; a
     # list that cell declares (names it re-exports) is extended, not replaced.
-    declared = declared_all(cells[0][1], cells[0][2])
     names = [n for n in names if n not in (declared or [])]
     if declared is None or names:
         listed = f"__all__ {'=' if declared is None else '+='} [" + ", ".join(
