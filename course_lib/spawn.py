@@ -40,7 +40,6 @@ def _context() -> mp.context.BaseContext:
     """multiprocessing's forkserver with torch preloaded, so a rank starts in milliseconds
     instead of importing torch again (about 3 s of CPU each on a laptop); "spawn" where
     there is no fork. Ranks still start from a clean process: the server runs nothing else."""
-    _end_helpers_before_kernel_shutdown()
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -193,6 +192,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
 def _start(procs: list[Any]) -> None:
     """Start the ranks' processes; a clear error where the temporary folder's path is too long
     for the Unix socket that multiprocessing's forkserver listens on there."""
+    _end_helpers_before_kernel_shutdown()  # the helpers these starts bring up
     try:
         for p in procs:
             p.start()
