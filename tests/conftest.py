@@ -141,6 +141,18 @@ def shared_zygote():
     zygote.end(proc)
 
 
+@pytest.fixture
+def short_tmp():
+    """A folder of its own right under the system's temporary folder, removed after the test:
+    Unix sockets made in it stay within their 107-byte path, which tmp_path (longer with each
+    pytest run and with the user's name) does not promise."""
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="t-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def scratch_cluster_4():
     """One 4-rank scratch cluster shared by a test file's exercise tests (each lesson's

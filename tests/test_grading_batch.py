@@ -6,11 +6,9 @@ One grading run covers them all (a kernel start costs ~1-2 s); each test reads i
 import csv
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -270,11 +268,11 @@ sys.stdin.read()  # until the test kills this process
 """
 
 
-def test_a_kernel_ends_with_its_grader_killed_outright():
+def test_a_kernel_ends_with_its_grader_killed_outright(short_tmp):
     """No close(), no atexit: the kernel's keeper sees its grader gone and the namespace ends
     (a kernel started by `unshare` alone outlived it: its parent poller sees no parent there)."""
     tag = "COURSE_GRADE_ORPHAN_TEST"
-    scratch = Path(tempfile.mkdtemp(prefix="cg-"))  # short: the kernel's Unix sockets are in it
+    scratch = short_tmp  # the kernel's Unix sockets are made in it
     grader = subprocess.Popen([sys.executable, "-c", STARTS_A_KERNEL, str(scratch)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, tag: "1"})
@@ -291,4 +289,3 @@ def test_a_kernel_ends_with_its_grader_killed_outright():
     finally:
         end_processes([(p.pid, p.create_time()) for p in tagged_processes(tag, "1")], grace=1.0,
                       reap=False)
-        shutil.rmtree(scratch, ignore_errors=True)

@@ -5,11 +5,9 @@ the caller still ends by SIGTERM."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,9 +30,8 @@ if __name__ == "__main__":
 """
 
 
-def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path):
-    # Short: the forkserver's Unix socket lives in it (tmp_path's path grows with each run)
-    scratch = Path(tempfile.mkdtemp(prefix="sp-"))
+def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path, short_tmp):
+    scratch = short_tmp  # the callers' TMPDIR: the forkserver's Unix socket lives in it
     (tmp_path / "caller.py").write_text(CALLER)
     env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT))
     caller = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(tmp_path)],
@@ -54,15 +51,13 @@ def test_a_terminated_caller_ends_its_ranks_and_removes_their_files(tmp_path):
     finally:
         if caller.poll() is None:  # failed before the signal: end the caller and its ranks
             end_processes(record(caller.pid))
-        leftovers = list(scratch.glob("course-spawn-*"))
-        shutil.rmtree(scratch, ignore_errors=True)
     deadline = time.monotonic() + 10
     while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [pid for pid in ranks if running(pid)]
     end_processes(started, reap=False)  # whatever the outcome, none outlives the test
     assert left == [], "ranks still running 10 s after their caller was terminated"
-    assert leftovers == [], leftovers  # removed by spawn, before its caller ended
+    assert list(scratch.glob("course-spawn-*")) == []  # removed by spawn, before its caller ended
 
 
 QUICK = """
@@ -81,32 +76,27 @@ if __name__ == "__main__":
 """
 
 
-def test_a_temporary_folder_too_long_for_the_ranks_socket_is_named(tmp_path):
+def test_a_temporary_folder_too_long_for_the_ranks_socket_is_named(tmp_path, short_tmp):
     """The forkserver listens on a Unix socket in TMPDIR (a path of at most 107 bytes): too
     long a TMPDIR is an error that names it, with nothing left behind."""
-    scratch = Path(tempfile.mkdtemp(prefix="sp-"))
-    deep = scratch / ("d" * 90)
+    deep = short_tmp / ("d" * 90)
     deep.mkdir()
     (tmp_path / "quick.py").write_text(QUICK)
-    try:
-        done = subprocess.run([sys.executable, str(tmp_path / "quick.py")], timeout=120,
-                              env=dict(os.environ, TMPDIR=str(deep), PYTHONPATH=str(ROOT)),
-                              capture_output=True, text=True)
-        leftovers = list(deep.glob("course-spawn-*"))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    done = subprocess.run([sys.executable, str(tmp_path / "quick.py")], timeout=120,
+                          env=dict(os.environ, TMPDIR=str(deep), PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True)
     assert done.returncode == 3, done.stdout + done.stderr
     assert str(deep) in done.stdout and "set TMPDIR to a shorter folder" in done.stdout
-    assert leftovers == []
+    assert list(deep.glob("course-spawn-*")) == []
 
 
-def test_a_kernel_that_used_spawn_shuts_down_at_once(tmp_path):
+def test_a_kernel_that_used_spawn_shuts_down_at_once(tmp_path, short_tmp):
     """ipykernel SIGTERMs its children at shutdown, and multiprocessing's resource tracker
     ignores SIGTERM: without spawn's hook the kernel outlives jupyter_client's 5 s wait and is
     killed, its fork server's folder left in the kernel's TMPDIR."""
     from jupyter_client.manager import KernelManager
 
-    scratch = Path(tempfile.mkdtemp(prefix="sp-"))  # the kernel's TMPDIR: short, its own
+    scratch = short_tmp  # the kernel's TMPDIR
     km = KernelManager(kernel_name="python3", connection_file=str(tmp_path / "kernel.json"))
     km.start_kernel(env=dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT)))
     try:
@@ -126,6 +116,5 @@ def test_a_kernel_that_used_spawn_shuts_down_at_once(tmp_path):
         code, leftovers = kernel.poll(), list(scratch.glob("pymp-*"))
     finally:
         km.shutdown_kernel(now=True)
-        shutil.rmtree(scratch, ignore_errors=True)
     assert code == 0, "the kernel did not exit by itself within 4 s of its shutdown request"
     assert leftovers == [], leftovers
