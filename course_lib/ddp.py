@@ -32,9 +32,9 @@ def stage_grad(grad: torch.Tensor | None, view: torch.Tensor, divisor: int) -> N
     if grad is None:
         view.zero_()
     elif is_view_of(grad, view):  # accumulated in place (the grad already is the slice)
-        view.div_(divisor)
+        view.mul_(grad_bucket.reciprocal(divisor, view.dtype))
     else:
-        torch.div(grad, divisor, out=view)
+        torch.mul(grad, grad_bucket.reciprocal(divisor, view.dtype), out=view)
 
 
 # %% solutions/04b_ddp_overlap.ipynb, cell 8

@@ -62,6 +62,20 @@ def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
             and grad.stride() == view.stride())
 
 
+_reciprocals: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def reciprocal(divisor: int, dtype: torch.dtype) -> torch.Tensor:
+    """1 / divisor as a CPU scalar tensor in `dtype`'s compute precision (float32 at least),
+    made once: a product by it is what torch's DDP computes, and it costs less than a division
+    or a product by a Python number."""
+    key = (divisor, dtype)
+    if key not in _reciprocals:
+        _reciprocals[key] = torch.tensor(1.0 / divisor, device="cpu",
+                                         dtype=torch.promote_types(dtype, torch.float32))
+    return _reciprocals[key]
+
+
 def bucket_zeros(dist: Any, group: Any = None,
                  device: torch.device | str = "cpu") -> Callable[..., torch.Tensor]:
     """How to allocate a bucket's flat buffer on `device` (its parameters'): where every rank

@@ -304,6 +304,31 @@ def test_make_buckets_reverse_order_caps_and_dtypes():
         make_buckets(params, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_stage_grad_rounds_as_torchs_reducer(dtype):
+    """A staged slice is torch's DDP's product grad * (1 / world) (its reducer's mul_out by a
+    wrapped scalar), bit for bit, copied or in place; within one rounding of grad / world; zeros
+    for no gradient; the gradient copied from is left as it was."""
+    from course_lib.ddp import stage_grad
+
+    g = torch.Generator().manual_seed(0)
+    for divisor in (1, 2, 3, 4, 7):
+        grad = torch.randn(64, 3, generator=g, dtype=torch.float64).to(dtype)
+        before = grad.clone()
+        flat = torch.full((2 * grad.numel(),), 5.0, dtype=dtype)
+        view, own = flat[:grad.numel()].view_as(grad), flat[grad.numel():].view_as(grad)
+        stage_grad(grad, view, divisor)
+        own.copy_(grad)
+        stage_grad(own, own, divisor)  # a gradient accumulated straight into its slice
+        expected = grad * (1 / divisor)
+        assert torch.equal(view, expected) and torch.equal(own, expected), (dtype, divisor)
+        assert torch.equal(grad, before)
+        ulp = torch.finfo(dtype).eps * (grad / divisor).abs()
+        assert ((view.double() - (before.double() / divisor)).abs() <= ulp.double()).all()
+        stage_grad(None, view, divisor)
+        assert torch.equal(view, torch.zeros_like(view))
+
+
 def test_buckets_launch_in_bucket_order_whatever_order_gradients_arrive():
     from course_lib.ddp import DistributedDataParallel, buckets_to_launch
 
