@@ -186,7 +186,8 @@ def shared_zygote(env: dict[str, str]) -> subprocess.Popen | None:
     spec.loader.exec_module(zygote)
     try:
         proc, socket = zygote.start_shared(PY, env)
-    except RuntimeError:
+    except RuntimeError as exc:
+        print(f"course.py lab: {exc}; each kernel starts without it")
         return None
     env[zygote.SOCKET_ENV] = socket
     return proc

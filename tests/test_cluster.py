@@ -295,6 +295,18 @@ def test_a_shared_zygote_refuses_another_python_and_survives_a_bad_client(tmp_pa
     assert proc.poll() is not None and not os.path.exists(os.path.dirname(path))
 
 
+def test_a_shared_zygote_names_a_temporary_folder_too_long_for_its_socket(short_tmp):
+    """Its socket is TMPDIR/course-zygote-XXXXXXXX/socket: past 107 bytes the zygote cannot
+    listen, and its owner hears why, with the way out; the zygote has ended, its folder gone."""
+    from course_lib.cluster import zygote
+
+    long = short_tmp / ("d" * (100 - len(str(short_tmp))))
+    long.mkdir()
+    with pytest.raises(RuntimeError, match=r"cannot listen on .*too long.*set TMPDIR to a shorter"):
+        zygote.start_shared(env=dict(os.environ, TMPDIR=str(long)))
+    assert list(long.iterdir()) == []
+
+
 LIMITED = textwrap.dedent("""
     import resource
     from course_lib import cluster

@@ -64,7 +64,11 @@ def start_shared(python: str = sys.executable,
     if not line:
         proc.wait(5)
         raise RuntimeError(f"the shared engine zygote exited at its start ({proc.returncode})")
-    proc.socket = json.loads(line)["socket"]  # `end` removes its folder if the zygote could not
+    said = json.loads(line)
+    if "error" in said:
+        proc.wait(5)
+        raise RuntimeError(f"the shared engine zygote {said['error']}")
+    proc.socket = said["socket"]  # `end` removes its folder if the zygote could not
     return proc, proc.socket
 
 

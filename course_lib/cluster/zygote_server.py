@@ -311,7 +311,13 @@ def serve_shared() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # ended by PID: remove the folder too
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        server.bind(path)
+        try:
+            server.bind(path)
+        except OSError as exc:  # said on stdout, for start_shared's error
+            hint = ("; set TMPDIR to a shorter folder (a Unix socket's path may have 107 bytes "
+                    "on Linux, 103 on macOS)" if "too long" in str(exc) else "")
+            sys.stdout.write(json.dumps({"error": f"cannot listen on {path}: {exc}{hint}"}) + "\n")
+            return
         server.listen(16)  # requests made while PRELOAD imports wait here
         sys.stdout.write(json.dumps({"socket": path}) + "\n")
         sys.stdout.flush()
