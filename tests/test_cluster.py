@@ -302,7 +302,7 @@ def test_a_shared_zygote_names_a_temporary_folder_too_long_for_its_socket(short_
 
     long = short_tmp / ("d" * (100 - len(str(short_tmp))))
     long.mkdir()
-    with pytest.raises(RuntimeError, match=r"cannot listen on .*too long.*set TMPDIR to a shorter"):
+    with pytest.raises(RuntimeError, match=r"cannot listen on .*too long.*set TMPDIR to a short"):
         zygote.start_shared(env=dict(os.environ, TMPDIR=str(long)))
     assert list(long.iterdir()) == []
 
