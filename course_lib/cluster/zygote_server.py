@@ -313,10 +313,8 @@ def serve_shared() -> None:
     try:
         try:
             server.bind(path)
-        except OSError as exc:  # said on stdout, for start_shared's error
-            hint = ("; set TMPDIR to a shorter folder (a Unix socket's path may have 107 bytes "
-                    "on Linux, 103 on macOS)" if "too long" in str(exc) else "")
-            sys.stdout.write(json.dumps({"error": f"cannot listen on {path}: {exc}{hint}"}) + "\n")
+        except OSError as exc:  # said on stdout: start_shared raises it
+            sys.stdout.write(json.dumps({"error": f"cannot listen on {path}: {exc}"}) + "\n")
             return
         server.listen(16)  # requests made while PRELOAD imports wait here
         sys.stdout.write(json.dumps({"socket": path}) + "\n")
