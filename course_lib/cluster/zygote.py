@@ -68,7 +68,7 @@ def start_shared(python: str = sys.executable,
     if "error" in said:
         proc.wait(5)
         hint = ("; set TMPDIR to a shorter folder (a Unix socket's path may have 107 bytes on "
-                "Linux, 103 on macOS)" if "too long" in said["error"] else "")
+                "Linux, 103 on macOS)" if "path too long" in said["error"] else "")
         raise RuntimeError(f"the shared engine zygote {said['error']}{hint}")
     proc.socket = said["socket"]  # `end` removes its folder if the zygote could not
     return proc, proc.socket
