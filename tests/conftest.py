@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from typing import Any
 
 import psutil
 import pytest
@@ -32,11 +33,25 @@ def pytest_configure(config: pytest.Config) -> None:
     # Lesson 11c's run that learns takes minutes for a learner; under nbval, a few steps (its
     # outputs that depend on the length are not compared).
     os.environ.setdefault("COURSE_LIB_CAPSTONE_STEPS", "6")
-    # The learner's overlay (course_lib.course.overlay) of this process and its children: empty, and
-    # never the developer's own ~/.course_lib.
+    # The learner's overlay (course_lib.course.overlay) of this process and its children:
+    # empty, and never the developer's own ~/.course_lib.
     if not os.environ.get("COURSE_LIB_HOME", "").startswith(tempfile.gettempdir()):
         os.environ["COURSE_LIB_HOME"] = tempfile.mkdtemp(prefix="course_lib_home-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ["COURSE_LIB_HOME"], True))
+    if config.pluginmanager.hasplugin("nbval"):
+        from nbval.kernel import RunningKernel
+
+        RunningKernel.stop = _stop_as_jupyterlab_does
+
+
+def _stop_as_jupyterlab_does(kernel: Any) -> None:
+    """nbval's `RunningKernel.stop`, with the kernel asked to shut down (as JupyterLab asks)
+    rather than SIGKILLed at once: a killed kernel runs no exit handler, and one that started
+    multiprocessing's fork server (`course_lib.spawn`) left its pymp-* folder in /tmp.
+    jupyter_client still ends by PID a kernel that has not exited within its wait."""
+    kernel.kc.stop_channels()
+    kernel.km.shutdown_kernel(now=False)
+    del kernel.km
 
 
 # Files that take a minute or more, run first: xdist hands whole files (--dist loadfile) to

@@ -142,3 +142,23 @@ def test_the_provisioner_is_registered_under_its_name():
     from jupyter_client.provisioning import KernelProvisionerFactory
 
     assert KernelProvisionerFactory.instance()._check_availability(NAME)
+
+
+def test_nbval_asks_a_kernel_to_shut_down_and_its_fork_server_folder_goes(tmp_path,
+                                                                          shared_zygote):
+    """The suite's nbval kernels end as JupyterLab ends them (conftest's stop): asked to shut
+    down, so their exit handlers run. One that started multiprocessing's fork server
+    (`course_lib.spawn`) removes its pymp-* folder; SIGKILLed, as nbval does, it left it."""
+    from nbval.kernel import CURRENT_ENV_KERNEL_NAME, RunningKernel
+
+    kernel = RunningKernel(CURRENT_ENV_KERNEL_NAME, cwd=str(tmp_path))
+    pid = kernel.km.provisioner.pid
+    folder = run(kernel.kc, textwrap.dedent("""\
+        import multiprocessing.util, operator
+        from course_lib.spawn import spawn
+        assert spawn(operator.add, 1, timeout=60) == [1]
+        print(multiprocessing.util.get_temp_dir(), end="")"""))
+    assert os.path.basename(folder).startswith("pymp-") and os.path.isdir(folder), folder
+    kernel.stop()
+    assert _gone(pid), f"kernel {pid} still running after its shutdown"
+    assert not os.path.exists(folder), f"the kernel's {folder} was left behind"
