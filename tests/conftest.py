@@ -47,9 +47,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def _stop_as_jupyterlab_does(kernel: Any) -> None:
     """nbval's `RunningKernel.stop`, with the kernel asked to shut down (as JupyterLab asks)
     rather than SIGKILLed at once: a killed kernel runs no exit handler, and one that started
-    multiprocessing's fork server (`course_lib.spawn`) left its pymp-* folder in /tmp.
-    jupyter_client still ends by PID a kernel that has not exited within its wait."""
+    multiprocessing's fork server (`course_lib.spawn`) left its pymp-* folder in /tmp. Ending
+    that server takes the kernel about a second, longer under the suite's load than the 2.5 s
+    after which jupyter_client's default wait SIGTERMs it (no exit handler either); past the
+    longer wait, jupyter_client still ends the kernel by PID."""
     kernel.kc.stop_channels()
+    kernel.km.shutdown_wait_time = 30.0
     kernel.km.shutdown_kernel(now=False)
     del kernel.km
 
