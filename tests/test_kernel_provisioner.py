@@ -153,12 +153,15 @@ def test_nbval_asks_a_kernel_to_shut_down_and_its_fork_server_folder_goes(tmp_pa
 
     kernel = RunningKernel(CURRENT_ENV_KERNEL_NAME, cwd=str(tmp_path))
     pid = kernel.km.provisioner.pid
-    folder = run(kernel.kc, textwrap.dedent("""\
-        import multiprocessing.util, operator
-        from course_lib.spawn import spawn
-        assert spawn(operator.add, 1, timeout=60) == [1]
-        print(multiprocessing.util.get_temp_dir(), end="")"""))
-    assert os.path.basename(folder).startswith("pymp-") and os.path.isdir(folder), folder
-    kernel.stop()
+    try:
+        folder = run(kernel.kc, textwrap.dedent("""\
+            import multiprocessing.util, operator
+            from course_lib.spawn import spawn
+            assert spawn(operator.add, 1, timeout=60) == [1]
+            print(multiprocessing.util.get_temp_dir(), end="")"""))
+        made = os.path.basename(folder).startswith("pymp-") and os.path.isdir(folder)
+    finally:
+        kernel.stop()
+    assert made, f"the kernel made no fork server folder: {folder}"
     assert _gone(pid), f"kernel {pid} still running after its shutdown"
     assert not os.path.exists(folder), f"the kernel's {folder} was left behind"
